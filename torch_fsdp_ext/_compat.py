@@ -1,0 +1,356 @@
+"""The torch-version layer: the only module that knows torch's private FSDP2 and
+activation-checkpoint internals.
+
+Every private symbol the fixes touch is listed in ``PRIVATE_SYMBOLS`` and resolved
+here, once. Supporting a new torch release means editing this file only.
+
+Note: where behaviour differs between releases we *probe* it (call the private
+function on a tiny stand-in object and look at what it did) instead of comparing
+version strings. A probe that cannot run answers ``None`` ("unknown"); callers
+treat unknown conservatively.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+# Package that holds FSDP2's implementation, newest location first.
+#   torch >= 2.6: torch.distributed.fsdp._fully_shard
+#   torch 2.5:    torch.distributed._composable.fsdp
+FSDP2_PACKAGES = (
+    "torch.distributed.fsdp._fully_shard",
+    "torch.distributed._composable.fsdp",
+)
+
+# (name used in this package, module inside the FSDP2 package or absolute module, attribute)
+PRIVATE_SYMBOLS: tuple[tuple[str, str, str], ...] = (
+    ("FSDPParamGroup", "._fsdp_param_group", "FSDPParamGroup"),
+    ("FSDPState", "._fsdp_state", "FSDPState"),
+    ("TrainingState", "._fsdp_common", "TrainingState"),
+    ("cast_fp_tensor", "._fsdp_common", "_cast_fp_tensor"),
+    ("MixedPrecisionPolicy", "._fsdp_api", "MixedPrecisionPolicy"),
+    ("apply_to_tensors", "torch.distributed.utils", "_apply_to_tensors"),
+    ("to_kwargs", "torch.distributed.utils", "_to_kwargs"),
+    ("checkpoint_hook", "torch.utils.checkpoint", "_checkpoint_hook"),
+    ("recomputation_hook", "torch.utils.checkpoint", "_recomputation_hook"),
+    ("CheckpointFrame", "torch.utils.checkpoint", "_CheckpointFrame"),
+)
+
+# Methods that the fixes wrap, by the name used above.
+WRAPPED_METHODS: tuple[tuple[str, str], ...] = (
+    ("FSDPParamGroup", "__init__"),
+    ("FSDPParamGroup", "_init_mp_dtypes"),
+    ("FSDPState", "_pre_forward"),
+    ("FSDPState", "_post_forward"),
+    ("checkpoint_hook", "__init__"),
+    ("checkpoint_hook", "__enter__"),
+    ("checkpoint_hook", "__exit__"),
+    ("recomputation_hook", "__init__"),
+    ("recomputation_hook", "__enter__"),
+    ("recomputation_hook", "__exit__"),
+)
+
+# Device types whose root pre-forward moves inputs onto the FSDP device
+# (``FSDPState._root_pre_forward``); on CPU nothing is moved.
+_INPUT_MOVING_DEVICE_TYPES = frozenset({"cuda", "hpu", "xpu", "mtia"})
+
+
+@dataclass
+class TorchInternals:
+    """Resolved private torch symbols, or the reason they could not be resolved."""
+
+    fsdp_package: str | None = None
+    symbols: dict[str, Any] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["symbols"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _resolve(package: str, module_name: str, attr: str) -> Any:
+    absolute = package + module_name if module_name.startswith(".") else module_name
+    return getattr(importlib.import_module(absolute), attr)
+
+
+@functools.lru_cache(maxsize=None)
+def load_internals() -> TorchInternals:
+    """Find every private symbol; never raises (missing ones are listed instead)."""
+    internals = TorchInternals()
+    for package in FSDP2_PACKAGES:
+        try:
+            importlib.import_module(package + "._fsdp_param_group")
+        except Exception:  # noqa: BLE001 - any failure means "not this layout"
+            continue
+        internals.fsdp_package = package
+        break
+    if internals.fsdp_package is None:
+        internals.missing.append("FSDP2 (fully_shard) package: " + " or ".join(FSDP2_PACKAGES))
+        return internals
+    for name, module_name, attr in PRIVATE_SYMBOLS:
+        try:
+            internals.symbols[name] = _resolve(internals.fsdp_package, module_name, attr)
+        except Exception:  # noqa: BLE001
+            internals.missing.append(f"{module_name.lstrip('.')}.{attr}")
+    for owner, method in WRAPPED_METHODS:
+        cls = internals.symbols.get(owner)
+        if cls is not None and not callable(getattr(cls, method, None)):
+            internals.missing.append(f"{cls.__name__}.{method}")
+    if "FSDPParamGroup" in internals.symbols:
+        params = inspect.signature(internals.FSDPParamGroup.__init__).parameters
+        for argument in ("params", "mp_policy", "modules"):
+            if argument not in params:
+                internals.missing.append(f"FSDPParamGroup.__init__ argument {argument!r}")
+    return internals
+
+
+def symbol_names(internals: TorchInternals, names: tuple[str, ...]) -> list[str]:
+    """Human-readable ``module.Class.method`` names for the status report."""
+    out = []
+    for owner, method in WRAPPED_METHODS:
+        if owner in names and owner in internals.symbols:
+            cls = internals.symbols[owner]
+            out.append(f"{cls.__module__}.{cls.__qualname__}.{method}")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# FSDP2 objects
+# ---------------------------------------------------------------------------
+
+
+def param_groups_of(state: Any) -> list[Any]:
+    """``FSDPState``'s param groups: a list on >= 2.11, a single optional group before."""
+    groups = state.__dict__.get("_fsdp_param_groups")
+    if groups is not None:
+        return groups
+    group = state.__dict__.get("_fsdp_param_group")
+    return [group] if group is not None else []
+
+
+def bind_param_group_init(init: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """Bind ``FSDPParamGroup.__init__`` arguments by name (their positions moved over releases)."""
+    return _param_group_init_signature(init).bind(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=4)
+def _param_group_init_signature(init: Callable) -> inspect.Signature:
+    return inspect.signature(init)
+
+
+def group_process_group(group: Any) -> Any:
+    """The process group the param group all-gathers over (its shard group)."""
+    return group._all_gather_process_group
+
+
+def fsdp_param_fqn(fsdp_param: Any) -> str | None:
+    return getattr(fsdp_param, "_param_fqn", None)
+
+
+def fsdp_param_is_trainable(fsdp_param: Any) -> bool:
+    return bool(fsdp_param.sharded_param.requires_grad)
+
+
+def change_sharded_param_dtype(fsdp_param: Any, dtype: torch.dtype) -> None:
+    """Cast an already-sharded FSDP2 parameter to ``dtype`` in place.
+
+    The ``nn.Parameter`` object keeps its identity (``swap_tensors``), so an
+    optimizer that already holds it keeps stepping the parameter the model uses.
+    ``reset_sharded_param`` then re-pads the new local shard and re-pins it when
+    CPU offload asks for pinned memory.
+    """
+    from torch.distributed.tensor import DTensor
+
+    param = fsdp_param.sharded_param
+    local = param._local_tensor.to(dtype)
+    replacement = torch.nn.Parameter(
+        DTensor.from_local(
+            local,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        ),
+        requires_grad=param.requires_grad,
+    )
+    torch.utils.swap_tensors(param, replacement)
+    fsdp_param.reset_sharded_param()
+
+
+def local_shard_nbytes(fsdp_param: Any) -> int:
+    local = fsdp_param.sharded_param._local_tensor
+    return local.numel() * local.element_size()
+
+
+# ---------------------------------------------------------------------------
+# Forward hooks registered by FSDPState.init
+# ---------------------------------------------------------------------------
+
+
+def forward_hook_slots(state: Any) -> list[tuple[dict, int, str]] | None:
+    """Where ``FSDPState.init`` stored its pre/post-forward hooks as bound methods.
+
+    Returns ``[(hooks_dict, hook_id, "pre"|"post"), ...]``, or ``None`` when the
+    hooks are closures (grouped ``fully_shard([a, b])``), which cannot be re-bound.
+    """
+    slots = []
+    for kind, attr in (("pre", "_pre_forward_hook_handle"), ("post", "_post_forward_hook_handle")):
+        handle = state.__dict__.get(attr)
+        if handle is None:
+            return []
+        dict_ref = getattr(handle, "hooks_dict_ref", None)
+        hooks = dict_ref() if dict_ref is not None else None
+        if hooks is None or handle.id not in hooks:
+            return None
+        hook = hooks[handle.id]
+        if not isinstance(hook, types.MethodType) or hook.__self__ is not state:
+            return None
+        slots.append((hooks, handle.id, kind))
+    return slots
+
+
+# ---------------------------------------------------------------------------
+# Forward-context helpers used by the recompute replay
+# ---------------------------------------------------------------------------
+
+
+def moves_inputs_to(device: torch.device) -> bool:
+    return device.type in _INPUT_MOVING_DEVICE_TYPES or (
+        device.type == torch._C._get_privateuse1_backend_name()
+    )
+
+
+def move_inputs(args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
+    """The root's input move, exactly as ``FSDPState._root_pre_forward`` does it."""
+    internals = load_internals()
+    args_tuple, kwargs_tuple = internals.to_kwargs(args, kwargs, device, False)
+    return args_tuple[0], kwargs_tuple[0]
+
+
+def cast_floating_tensors(dtype: torch.dtype, value: Any) -> Any:
+    """FSDP2's own mixed-precision cast (floating tensors only, nested containers)."""
+    internals = load_internals()
+    return internals.apply_to_tensors(functools.partial(internals.cast_fp_tensor, dtype), value)
+
+
+def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    return (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+
+
+def checkpoint_hook_frame(hook: Any) -> Any:
+    """The ``_CheckpointFrame`` a ``_checkpoint_hook`` or ``_recomputation_hook`` serves."""
+    return hook.__dict__.get("_torch_fsdp_ext_frame")
+
+
+def current_graph_task_id() -> int:
+    return torch._C._current_graph_task_id()
+
+
+# ---------------------------------------------------------------------------
+# Feature probes
+# ---------------------------------------------------------------------------
+
+
+class _ProbeParam:
+    """Duck-typed ``FSDPParam`` with just what ``_init_mp_dtypes`` reads."""
+
+    def __init__(self, dtype: torch.dtype, requires_grad: bool) -> None:
+        self.sharded_param = types.SimpleNamespace(dtype=dtype, requires_grad=requires_grad)
+        self.mp_policy = None
+
+    def init_dtype_attrs(self, mp_policy: Any) -> None:
+        self.orig_dtype = self.sharded_param.dtype
+        self.param_dtype = getattr(mp_policy, "param_dtype", None)
+        self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
+
+
+def _run_dtype_check(params: list[_ProbeParam]) -> bool | None:
+    """True if ``_init_mp_dtypes`` rejects this layout, False if it accepts it."""
+    internals = load_internals()
+    group = types.SimpleNamespace(
+        fsdp_params=params, mp_policy=internals.MixedPrecisionPolicy(), _orig_dtype=None, _reduce_dtype=None
+    )
+    try:
+        internals.FSDPParamGroup._init_mp_dtypes(group)
+    except AssertionError as e:
+        return "uniform original parameter dtype" in str(e) or None
+    except Exception:  # noqa: BLE001 - internals we do not understand
+        return None
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def probe_rejects_mixed_trainable_dtypes() -> bool | None:
+    """Does this release's ``_init_mp_dtypes`` reject bf16 + fp32 trainable params?"""
+    return _run_dtype_check([_ProbeParam(torch.bfloat16, True), _ProbeParam(torch.float32, True)])
+
+
+@functools.lru_cache(maxsize=None)
+def probe_dtype_check_counts_frozen() -> bool | None:
+    """Does the check also count frozen params (torch 2.5 did; pytorch#154103)?"""
+    return _run_dtype_check([_ProbeParam(torch.bfloat16, False), _ProbeParam(torch.float32, True)])
+
+
+def _recompute_probe_state(mp_policy: Any) -> Any:
+    internals = load_internals()
+    state = internals.FSDPState()
+    state._training_state = internals.TrainingState.PRE_BACKWARD
+    state._mp_policy = mp_policy
+    if "_fsdp_param_groups" in state.__dict__:
+        state._fsdp_param_groups = []
+    else:
+        state._fsdp_param_group = None
+    return state
+
+
+@functools.lru_cache(maxsize=None)
+def probe_recompute_casts_inputs() -> bool | None:
+    """Does ``_pre_forward`` cast inputs when running during recomputation (pytorch#182580)?"""
+    internals = load_internals()
+    try:
+        state = _recompute_probe_state(internals.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        args, _ = internals.FSDPState._pre_forward(state, torch.nn.Identity(), (torch.zeros(1),), {})
+    except Exception:  # noqa: BLE001
+        return None
+    return args[0].dtype == torch.bfloat16
+
+
+@functools.lru_cache(maxsize=None)
+def probe_recompute_casts_outputs() -> bool | None:
+    """Does ``_post_forward`` apply ``output_dtype`` during recomputation?"""
+    internals = load_internals()
+    try:
+        policy = internals.MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float16)
+        state = _recompute_probe_state(policy)
+        out = internals.FSDPState._post_forward(state, torch.nn.Identity(), (), torch.zeros(1))
+    except Exception:  # noqa: BLE001
+        return None
+    return out.dtype == torch.float16
+
+
+@functools.lru_cache(maxsize=None)
+def probe_recompute_moves_inputs() -> bool | None:
+    """Does ``_pre_forward`` re-run the root's input move during recomputation?"""
+    internals = load_internals()
+    calls = []
+    try:
+        state = _recompute_probe_state(internals.MixedPrecisionPolicy())
+        state._root_pre_forward = lambda module, args, kwargs: calls.append(1) or (args, kwargs)
+        internals.FSDPState._pre_forward(state, torch.nn.Identity(), (torch.zeros(1),), {})
+    except Exception:  # noqa: BLE001
+        return None
+    return bool(calls)

@@ -1,0 +1,59 @@
+"""Reversible patches: every replaced attribute or hook is restored by identity."""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+_ABSENT = object()  # the attribute was inherited, not set on the owner itself
+
+
+@dataclass
+class _AttributePatch:
+    owner: Any
+    name: str
+    original: Any  # the object found in owner.__dict__, or _ABSENT
+
+
+@dataclass
+class _HookPatch:
+    hooks: dict
+    hook_id: int
+    original: Any
+    replacement: Any
+
+
+class PatchSet:
+    """Patches applied by one fix, undone in reverse order by ``restore()``."""
+
+    def __init__(self) -> None:
+        self._attributes: list[_AttributePatch] = []
+        self._hooks: list[_HookPatch] = []
+
+    def wrap(self, owner: Any, name: str, make_wrapper: Callable[[Any], Any]) -> None:
+        """Replace ``owner.name`` with ``make_wrapper(current)``; ``current`` may be inherited."""
+        self._attributes.append(_AttributePatch(owner, name, owner.__dict__.get(name, _ABSENT)))
+        setattr(owner, name, make_wrapper(getattr(owner, name)))
+
+    def rebind_hook(self, hooks: dict, hook_id: int, replacement: types.MethodType) -> None:
+        """Swap one registered module hook (a bound method) for ``replacement``."""
+        self._hooks.append(_HookPatch(hooks, hook_id, hooks[hook_id], replacement))
+        hooks[hook_id] = replacement
+
+    @property
+    def rebound_hooks(self) -> int:
+        return len(self._hooks)
+
+    def restore(self) -> None:
+        for hook in reversed(self._hooks):
+            # Only put the original back if nobody removed or replaced our hook since.
+            if hook.hooks.get(hook.hook_id) is hook.replacement:
+                hook.hooks[hook.hook_id] = hook.original
+        self._hooks.clear()
+        for patch in reversed(self._attributes):
+            if patch.original is _ABSENT:
+                delattr(patch.owner, patch.name)
+            else:
+                setattr(patch.owner, patch.name, patch.original)
+        self._attributes.clear()

@@ -1,0 +1,366 @@
+"""Recompute replay: an activation-checkpoint recompute of an FSDP2 module sees the
+forward it replaces.
+
+During non-reentrant recomputation FSDP2 is in ``TrainingState.PRE_BACKWARD`` and
+``FSDPState._pre_forward`` skips most of what it did in forward: the
+mixed-precision input cast (fixed upstream in 2.13, pytorch#182580), the output
+cast, and the root's move of inputs onto the FSDP device (still missing). And
+``torch.utils.checkpoint`` restores autocast state only for the device type it
+infers from the *positional* tensor args, which is the wrong one when FSDP moved
+the inputs. The recomputed forward then differs from the original one:
+
+    torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Recomputed values for the
+    following tensors have different metadata than during the forward pass.
+
+Note: how the replay is paired with the forward. While a checkpointed region runs
+forward, each FSDP pre-forward stashes a small ``ForwardContext`` (no tensors) on
+that region's ``_CheckpointFrame``, keyed by (FSDP state, module), in call order.
+Recomputing a frame runs the same modules in the same order, so a per-recompute
+cursor walks the same lists. Records live on the frame and die with it. A frame
+can be recomputed more than once (one per backward graph task), hence a cursor
+and not a queue that is consumed.
+
+Note: exception safety. Checkpoint's early stop ends a recomputation by raising
+inside a module's forward, so the matching post-forward never runs. Whatever a
+replay entered is undone when the recomputation hook exits.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from . import _compat
+from ._patching import PatchSet
+
+
+class ForwardContext(NamedTuple):
+    """What FSDP did around one module forward inside a checkpointed region."""
+
+    moved_to: torch.device | None  # the iteration root moved inputs here
+    input_dtype: torch.dtype | None  # MixedPrecisionPolicy cast of floating inputs
+    output_dtype: torch.dtype | None
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]  # (device_type, enabled, dtype) per device type
+    autocast_cache: bool
+
+
+class _ForwardFrame:
+    """A ``_checkpoint_hook`` that is active: the original forward of one region."""
+
+    __slots__ = ("records",)
+
+    def __init__(self, frame: Any) -> None:
+        self.records: dict[tuple[Any, Any], list[ForwardContext]] = frame.__dict__.setdefault(
+            "_torch_fsdp_ext_records", {}
+        )
+
+
+class _Replay(NamedTuple):
+    key: tuple[Any, Any]
+    context: ForwardContext
+    autocast_contexts: tuple[Any, ...]  # entered torch.amp.autocast objects, to exit
+
+
+class _RecomputeFrame:
+    """A ``_recomputation_hook`` that is active: one recomputation of one region."""
+
+    __slots__ = ("records", "cursor", "open", "autocast_on_entry")
+
+    def __init__(self, frame: Any) -> None:
+        self.records: dict[tuple[Any, Any], list[ForwardContext]] = frame.__dict__.get("_torch_fsdp_ext_records", {})
+        self.cursor: dict[tuple[Any, Any], int] = {}
+        self.open: list[_Replay] = []
+        self.autocast_on_entry: dict[str, tuple[bool, torch.dtype]] = {}
+
+    def next_context(self, key: tuple[Any, Any]) -> ForwardContext | None:
+        index = self.cursor.get(key, 0)
+        contexts = self.records.get(key)
+        if contexts is None or index >= len(contexts):
+            return None
+        self.cursor[key] = index + 1
+        return contexts[index]
+
+
+class _ActiveFrames(threading.local):
+    """Checkpoint frames active on this thread, innermost last (saved-tensor hooks are per thread)."""
+
+    def __init__(self) -> None:
+        self.stack: list[_ForwardFrame | _RecomputeFrame] = []
+
+
+class RecomputeReplay:
+    """The ``recompute`` fix."""
+
+    name = "recompute"
+    summary = "activation-checkpoint recompute under fully_shard replays the forward context"
+
+    def __init__(self, internals: _compat.TorchInternals) -> None:
+        self.internals = internals
+        self.active = False
+        self.frames = _ActiveFrames()
+        # What this release already replays by itself (probed once, cached).
+        self.upstream_casts_inputs = bool(_compat.probe_recompute_casts_inputs())
+        self.upstream_casts_outputs = bool(_compat.probe_recompute_casts_outputs())
+        self.upstream_moves_inputs = bool(_compat.probe_recompute_moves_inputs())
+        self.not_covered: list[str] = []
+        self._patches: PatchSet | None = None
+
+    # -- what this release needs -----------------------------------------------
+
+    def needed(self) -> tuple[bool, str]:
+        casts = _compat.probe_recompute_casts_inputs()
+        moves = _compat.probe_recompute_moves_inputs()
+        if casts and moves:
+            return False, "this torch replays the input cast and the root input move during recompute"
+        if casts:
+            return True, "input cast replayed upstream (pytorch#182580); root input move and autocast are not"
+        return True, "recompute skips the mixed-precision input cast, output cast and root input move"
+
+    def replays(self) -> dict[str, str]:
+        """What is replayed, and by whom, on this torch."""
+
+        def by(upstream: bool) -> str:
+            return "upstream" if upstream else "torch_fsdp_ext"
+
+        return {
+            "input cast": by(self.upstream_casts_inputs),
+            "output cast": by(self.upstream_casts_outputs),
+            "root input move": by(self.upstream_moves_inputs),
+            "autocast state": "torch_fsdp_ext",
+        }
+
+    def wrapped_symbols(self) -> list[str]:
+        return _compat.symbol_names(self.internals, ("FSDPState", "checkpoint_hook", "recomputation_hook"))
+
+    # -- install ---------------------------------------------------------------
+
+    def install(self, patches: PatchSet) -> None:
+        internals = self.internals
+        patches.wrap(internals.checkpoint_hook, "__init__", _remember_frame)
+        patches.wrap(internals.recomputation_hook, "__init__", _remember_frame_ref)
+        patches.wrap(internals.checkpoint_hook, "__enter__", functools.partial(self._wrap_enter, _ForwardFrame))
+        patches.wrap(internals.recomputation_hook, "__enter__", functools.partial(self._wrap_enter, _RecomputeFrame))
+        patches.wrap(internals.checkpoint_hook, "__exit__", self._wrap_exit)
+        patches.wrap(internals.recomputation_hook, "__exit__", self._wrap_exit)
+        patches.wrap(internals.FSDPState, "_pre_forward", self._wrap_pre_forward)
+        patches.wrap(internals.FSDPState, "_post_forward", self._wrap_post_forward)
+        self._patches = patches
+        self.active = True
+        self.rebind_existing_hooks(patches)
+
+    def rebind_existing_hooks(self, patches: PatchSet) -> None:
+        """Reach modules sharded before ``install()``.
+
+        Note: ``FSDPState.init`` registers ``self._pre_forward`` and
+        ``self._post_forward`` as *bound methods*, so patching the class does not
+        reach states built earlier. Find those states and re-bind their hooks to
+        the patched methods (restored by identity on uninstall). Grouped
+        ``fully_shard([a, b])`` registers closures instead; those are reported in
+        ``status()`` as not covered.
+        """
+        import gc
+
+        state_cls = self.internals.FSDPState
+        pre, post = state_cls.__dict__["_pre_forward"], state_cls.__dict__["_post_forward"]
+        self.not_covered = []
+        for obj in gc.get_objects():
+            if not issubclass(type(obj), state_cls):
+                continue
+            slots = _compat.forward_hook_slots(obj)
+            if slots is None:
+                names = ", ".join(type(m).__name__ for m in getattr(obj, "_modules", ()))
+                self.not_covered.append(f"grouped fully_shard([{names}]) sharded before install()")
+                continue
+            for hooks, hook_id, kind in slots:
+                method = pre if kind == "pre" else post
+                if hooks[hook_id].__func__ is not method:
+                    patches.rebind_hook(hooks, hook_id, method.__get__(obj))
+
+    # -- checkpoint frames -----------------------------------------------------
+
+    def _wrap_enter(self, frame_type: type, original: Callable) -> Callable:
+        frames = self.frames
+        fix = self
+
+        @functools.wraps(original)
+        def __enter__(hook: Any) -> Any:
+            result = original(hook)
+            frame = _compat.checkpoint_hook_frame(hook)
+            if fix.active and frame is not None:
+                entry = frame_type(frame)
+                if frame_type is _RecomputeFrame:
+                    entry.autocast_on_entry = _autocast_snapshot()
+                hook._torch_fsdp_ext_entry = entry
+                frames.stack.append(entry)
+            return result
+
+        return __enter__
+
+    def _wrap_exit(self, original: Callable) -> Callable:
+        frames = self.frames
+
+        @functools.wraps(original)
+        def __exit__(hook: Any, *exc_info: Any) -> Any:
+            entry = hook.__dict__.pop("_torch_fsdp_ext_entry", None)
+            if entry is not None:
+                stack = frames.stack
+                for i in range(len(stack) - 1, -1, -1):
+                    if stack[i] is entry:
+                        del stack[i]
+                        break
+                if isinstance(entry, _RecomputeFrame) and entry.open:
+                    _unwind(entry)
+            return original(hook, *exc_info)
+
+        return __exit__
+
+    # -- FSDP pre/post-forward -------------------------------------------------
+
+    def _wrap_pre_forward(self, original: Callable) -> Callable:
+        frames = self.frames
+        fix = self
+        pre_backward = self.internals.TrainingState.PRE_BACKWARD
+
+        @functools.wraps(original)
+        def _pre_forward(state: Any, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            stack = frames.stack
+            if not stack or not fix.active:
+                return original(state, module, args, kwargs)
+            key = (state, module)
+            recompute = _innermost_recompute(stack)
+            # Advance the cursor even when nothing is replayed, to stay paired with the forward.
+            context = recompute.next_context(key) if recompute is not None else None
+            if context is not None and state._training_state == pre_backward:
+                args, kwargs = fix.replay_pre_forward(recompute, key, context, args, kwargs)
+                args, kwargs = original(state, module, args, kwargs)
+            else:
+                context, args, kwargs = fix.run_and_capture(original, state, module, args, kwargs)
+            # Forward frames above the innermost recompute belong to checkpoints nested in it.
+            for entry in reversed(stack):
+                if entry is recompute:
+                    break
+                entry.records.setdefault(key, []).append(context)
+            return args, kwargs
+
+        return _pre_forward
+
+    def _wrap_post_forward(self, original: Callable) -> Callable:
+        frames = self.frames
+        fix = self
+
+        @functools.wraps(original)
+        def _post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
+            stack = frames.stack
+            if not stack:
+                return original(state, module, input, output)
+            recompute = _innermost_recompute(stack)
+            if recompute is None or not recompute.open or recompute.open[-1].key != (state, module):
+                return original(state, module, input, output)
+            replay = recompute.open.pop()
+            output = original(state, module, input, output)
+            for autocast in reversed(replay.autocast_contexts):
+                autocast.__exit__(None, None, None)
+            output_dtype = replay.context.output_dtype
+            if output_dtype is not None and not fix.upstream_casts_outputs:
+                output = _compat.cast_floating_tensors(output_dtype, output)
+            return output
+
+        return _post_forward
+
+    def run_and_capture(
+        self, original: Callable, state: Any, module: Any, args: tuple, kwargs: dict
+    ) -> tuple[ForwardContext, tuple, dict]:
+        """Run the real pre-forward and describe the context it created."""
+        device = state._device
+        autocast = (_compat.autocast_state(device.type),)
+        if device.type != "cpu":
+            autocast += (_compat.autocast_state("cpu"),)
+        ctx = state._state_ctx
+        claims_root = ctx.iter_forward_root is None
+        args, kwargs = original(state, module, args, kwargs)
+        moved = claims_root and state._state_ctx.iter_forward_root is state and _compat.moves_inputs_to(device)
+        policy = state._mp_policy
+        context = ForwardContext(
+            moved_to=device if moved else None,
+            input_dtype=policy.param_dtype if policy.cast_forward_inputs else None,
+            output_dtype=policy.output_dtype,
+            autocast=autocast,
+            autocast_cache=torch.is_autocast_cache_enabled(),
+        )
+        return context, args, kwargs
+
+    def replay_pre_forward(
+        self, recompute: _RecomputeFrame, key: tuple, context: ForwardContext, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict]:
+        if context.moved_to is not None and not self.upstream_moves_inputs:
+            args, kwargs = _compat.move_inputs(args, kwargs, context.moved_to)
+        if context.input_dtype is not None and not self.upstream_casts_inputs:
+            args = _compat.cast_floating_tensors(context.input_dtype, args)
+            kwargs = _compat.cast_floating_tensors(context.input_dtype, kwargs)
+        entered = []
+        for device_type, enabled, dtype in context.autocast:
+            if _compat.autocast_state(device_type) != (device_type, enabled, dtype):
+                autocast = torch.amp.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=context.autocast_cache)
+                autocast.__enter__()
+                entered.append(autocast)
+        recompute.open.append(_Replay(key, context, tuple(entered)))
+        return args, kwargs
+
+
+def _remember_frame(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(hook: Any, frame: Any, *args: Any, **kwargs: Any) -> None:
+        original(hook, frame, *args, **kwargs)
+        hook._torch_fsdp_ext_frame = frame
+
+    return __init__
+
+
+def _remember_frame_ref(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(hook: Any, target_frame_ref: Any, *args: Any, **kwargs: Any) -> None:
+        original(hook, target_frame_ref, *args, **kwargs)
+        hook._torch_fsdp_ext_frame = target_frame_ref()
+
+    return __init__
+
+
+def _innermost_recompute(stack: list) -> _RecomputeFrame | None:
+    for entry in reversed(stack):
+        if type(entry) is _RecomputeFrame:
+            return entry
+    return None
+
+
+def _autocast_snapshot() -> dict[str, tuple[bool, torch.dtype]]:
+    device_types = ["cpu"]
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    if current is not None:
+        device_types.append(current.type)
+    elif torch.cuda.is_available():
+        device_types.append("cuda")
+    return {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types}
+
+
+def _unwind(entry: _RecomputeFrame) -> None:
+    """Undo replays whose post-forward never ran (early stop or an exception).
+
+    Exiting the autocast objects keeps autocast's nesting count (and its cast
+    cache) balanced; the snapshot then restores the enabled/dtype state the
+    recomputation started with, which torch's own autocast contexts inside the
+    recomputation already restored before we got here.
+    """
+    touched = set()
+    while entry.open:
+        replay = entry.open.pop()
+        for autocast in reversed(replay.autocast_contexts):
+            autocast.__exit__(None, None, None)
+            touched.add(autocast.device)
+    for device_type in touched:
+        enabled, dtype = entry.autocast_on_entry.get(device_type, (False, torch.get_autocast_dtype(device_type)))
+        torch.set_autocast_enabled(device_type, enabled)
+        torch.set_autocast_dtype(device_type, dtype)
