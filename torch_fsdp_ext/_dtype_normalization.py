@@ -94,14 +94,18 @@ def plan_uniform_dtype(params: list[_Param]) -> UniformDtypePlan:
     plan = UniformDtypePlan(trainable=trainable)
     if len({p.tensor.dtype for p in trainable}) <= 1:
         return plan
-    floating = [p.tensor.dtype for p in trainable if p.tensor.dtype.is_floating_point]
-    plan.target = functools.reduce(torch.promote_types, floating) if floating else None
+    castable = []
     for p in trainable:
         reason = cast_exclusion_reason(p.tensor)
-        if reason is not None:
+        if reason is None:
+            castable.append(p)
+        else:
             plan.fixed.append((p, reason))
-        elif p.tensor.dtype != plan.target:
-            plan.casts.append(p)
+    # The widest dtype among everything that takes part in type promotion (float8 does not).
+    promotable = [p.tensor.dtype for p in trainable if p.tensor.dtype.is_floating_point and p.tensor.dtype not in _FLOAT8_DTYPES]
+    if promotable:
+        plan.target = functools.reduce(torch.promote_types, promotable)
+    plan.casts = [p for p in castable if p.tensor.dtype != plan.target]
     return plan
 
 
@@ -118,7 +122,7 @@ def describe_mixed_dtypes(group_name: str, plan: UniformDtypePlan, strategy: str
         f"torch_fsdp_ext: FSDP2 param group {group_name} needs one dtype for its trainable "
         f"parameters but has {', '.join(sorted(_format_dtype(d) for d in by_dtype))}:"
     ]
-    for dtype, group in sorted(by_dtype.items(), key=lambda item: len(item[1])):
+    for dtype, group in sorted(by_dtype.items(), key=lambda item: (len(item[1]), str(item[0]))):
         for p in group:
             note = f" (must not be cast: {why[id(p)]})" if id(p) in why else ""
             lines.append(f"  {p.name}: {_format_dtype(dtype)}{note}")
@@ -193,10 +197,9 @@ class DtypeNormalization:
         if not plan.casts or plan.conflicts:
             return  # nothing to do, or an error that lazy init reports with full FQNs
         group_name = ", ".join(type(m).__name__ for m in modules)
-        added = plan.added_bytes
+        self._report(group_name, plan, mp_policy, f"{plan.added_bytes} bytes before sharding")
         for p in plan.casts:
             p.handle.data = p.handle.data.to(plan.target)
-        self._report(group_name, plan, mp_policy, f"{added} bytes before sharding")
 
     # -- hook 2: right before the uniform-dtype check -----------------------------
 
@@ -226,11 +229,13 @@ class DtypeNormalization:
         group_name = getattr(group, "_module_fqn", None) or "<root>"
         if self.strategy == "error" or plan.conflicts:
             raise MixedParamDtypeError(describe_mixed_dtypes(repr(group_name), plan, self.strategy))
-        before = sum(_compat.local_shard_nbytes(p.handle) for p in plan.casts)
+        added = sum(
+            _compat.local_shard_nbytes(p.handle) // p.tensor.dtype.itemsize * (plan.target.itemsize - p.tensor.dtype.itemsize)
+            for p in plan.casts
+        )
+        self._report(repr(group_name), plan, group.mp_policy, f"{added} bytes on this rank's shards")
         for p in plan.casts:
             _compat.change_sharded_param_dtype(p.handle, plan.target)
-        added = sum(_compat.local_shard_nbytes(p.handle) for p in plan.casts) - before
-        self._report(repr(group_name), plan, group.mp_policy, f"{added} bytes on this rank's shards")
 
     def _report(self, group_name: str, plan: UniformDtypePlan, mp_policy: Any, added: str) -> None:
         casts = ", ".join(f"{p.name} ({_format_dtype(p.tensor.dtype)})" for p in plan.casts)

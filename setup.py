@@ -1,0 +1,16 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="torch_fsdp_ext",
+    version="0.1.0",
+    description="Repairs FSDP2 (fully_shard) mixed-precision failures: mixed parameter dtypes and "
+    "activation-checkpoint recompute.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["torch_fsdp_ext", "torch_fsdp_ext.*"]),
+    python_requires=">=3.9",
+    # Never force a torch upgrade: any release from 2.5 on is accepted as installed.
+    install_requires=["torch>=2.5"],
+    extras_require={"test": ["pytest", "expecttest", "numpy"]},
+    entry_points={"console_scripts": ["torch-fsdp-ext=torch_fsdp_ext.__main__:main"]},
+)

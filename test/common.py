@@ -1,0 +1,212 @@
+"""Distributed test harness: MultiProcessTestCase with gloo on CPU, NCCL when enough GPUs exist."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import re
+import subprocess
+import sys
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.testing._internal import common_distributed
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+import torch_fsdp_ext
+from torch_fsdp_ext import _compat
+
+# Note: a distributed test that hangs (a collective one rank never joins) must fail,
+# not stall CI; torch's default join timeout is 300 s per test.
+common_distributed.TIMEOUT_DEFAULT = int(os.environ.get("TORCH_FSDP_EXT_TEST_TIMEOUT", "120"))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What torch release we run on, by probing (same answers the plugin uses).
+HAS_DTYPE_BUG = bool(_compat.probe_rejects_mixed_trainable_dtypes())
+HAS_RECOMPUTE_CAST_BUG = _compat.probe_recompute_casts_inputs() is False
+
+
+def use_nccl(world_size: int) -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= world_size and dist.is_nccl_available()
+
+
+class FSDPExtTestCase(MultiProcessTestCase):
+    """Each test runs in ``WORLD_SIZE`` fresh processes with a process group ready."""
+
+    WORLD_SIZE = 2
+
+    @property
+    def world_size(self) -> int:
+        return self.WORLD_SIZE
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_processes()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.rank) if use_nccl(self.world_size) else torch.device("cpu")
+
+    def run_test(self, test_name: str, parent_pipe) -> None:
+        backend = "nccl" if use_nccl(self.world_size) else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(self.rank)
+        dist.init_process_group(
+            backend, init_method=f"file://{self.file_name}", rank=self.rank, world_size=self.world_size
+        )
+        super().run_test(test_name, parent_pipe)
+
+
+@contextlib.contextmanager
+def plugin(enabled: bool, **install_kwargs) -> Iterator[None]:
+    """Run a block with every fix installed, or with none; restores the previous state."""
+    before = [name for name, fix in torch_fsdp_ext.status().fixes.items() if fix.active]
+    torch_fsdp_ext.uninstall()
+    if enabled:
+        torch_fsdp_ext.install(**install_kwargs)
+    try:
+        yield
+    finally:
+        torch_fsdp_ext.uninstall()
+        if before:
+            torch_fsdp_ext.install(before)
+
+
+def error_text(exc: BaseException) -> str:
+    """The first line of an error, with set orderings made stable for expecttest."""
+    text = str(exc).splitlines()[0]
+    return re.sub(r"\{([^}]*)\}", lambda m: "{" + ", ".join(sorted(m.group(1).split(", "))) + "}", text)
+
+
+def run_python(code: str, *, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run a snippet in a fresh interpreter (import order and environment tests)."""
+    full_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT
+    )
+
+
+# ---------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.weight
+
+
+class Block(nn.Module):
+    """A Llama-like block: attention-lite mixer, MLP, RMSNorms, a router with a bias."""
+
+    def __init__(self, dim: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(dim)
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.mlp_norm = RMSNorm(dim)
+        self.router = nn.Linear(dim, 2)
+        self.w1 = nn.Linear(dim, 2 * dim, bias=False)
+        self.w2 = nn.Linear(2 * dim, dim, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn_norm(x)
+        scores = torch.softmax(self.wq(h) @ h.transpose(-1, -2) / h.shape[-1] ** 0.5, dim=-1)
+        x = x + self.dropout(self.wo(scores @ h))
+        h = self.mlp_norm(x)
+        gate = torch.sigmoid(self.router(h)).mean(-1, keepdim=True)
+        return x + gate * self.w2(nn.functional.silu(self.w1(h)))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, vocab: int = 32, dim: int = 16, layers: int = 2, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, dropout) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+def seed_000_model(seed: int = 0, **kwargs) -> TinyLlama:
+    """The seed-000 layout: a bf16 checkpoint whose norms and router stay in fp32."""
+    torch.manual_seed(seed)
+    model = TinyLlama(**kwargs).to(torch.bfloat16)
+    for name, module in model.named_modules():
+        if isinstance(module, RMSNorm) or name.endswith("router"):
+            module.float()
+    return model
+
+
+def shard_model(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer, **fully_shard_kwargs)
+    fully_shard(model, **fully_shard_kwargs)
+    return model
+
+
+def batch(rank: int, step: int = 0, vocab: int = 32, size: tuple[int, int] = (2, 8)) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, vocab, size, generator=generator)
+
+
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded parameter values (DTensor -> full tensor)."""
+    out = {}
+    for name, param in model.named_parameters():
+        value = param.full_tensor() if hasattr(param, "full_tensor") else param
+        out[name] = value.detach().clone()
+    return out
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is not None:
+            out[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+    return out
+
+
+def bf16_compute_reference(master: nn.Module, inputs_per_rank: list[torch.Tensor]):
+    """Single-process reference for fp32 master weights + bf16 compute + fp32 gradient averaging.
+
+    Each rank's micro-batch runs on a bf16 copy of the fp32 master model (as FSDP's
+    ``param_dtype=bf16`` all-gather does); the bf16 gradients are upcast and averaged
+    in fp32 (``reduce_dtype=fp32``). Sets ``.grad`` on the master's params and
+    returns the per-rank losses.
+    """
+    grads: dict[str, torch.Tensor] = {}
+    losses = []
+    for tokens in inputs_per_rank:
+        compute = copy.deepcopy(master).to(torch.bfloat16)
+        loss = lm_loss(compute(tokens), tokens)
+        loss.backward()
+        losses.append(loss.detach())
+        for name, param in compute.named_parameters():
+            grads[name] = grads.get(name, 0) + param.grad.float()
+    for name, param in master.named_parameters():
+        param.grad = grads[name] / len(inputs_per_rank)
+    return losses

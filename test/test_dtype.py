@@ -1,0 +1,404 @@
+"""Dtype normalization: mixed trainable dtypes in one fully_shard group, fp32 master weights."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import unittest
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.testing._internal.common_utils import run_tests
+
+import torch_fsdp_ext
+from torch_fsdp_ext import MixedParamDtypeError, _compat
+from torch_fsdp_ext._dtype_normalization import cast_exclusion_reason
+
+from common import (
+    HAS_DTYPE_BUG,
+    FSDPExtTestCase,
+    RMSNorm,
+    batch,
+    bf16_compute_reference,
+    error_text,
+    full_grads,
+    full_params,
+    lm_loss,
+    plugin,
+    seed_000_model,
+    shard_model,
+)
+
+MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, steps: int) -> list[torch.Tensor]:
+    losses = []
+    for step in range(steps):
+        tokens = batch(rank, step)
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+class LoRALinear(nn.Module):
+    """A frozen bf16 base with trainable fp32 adapters."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim, dim, bias=False).to(torch.bfloat16).requires_grad_(False)
+        self.lora_a = nn.Linear(dim, 2, bias=False)
+        self.lora_b = nn.Linear(2, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+class TestSeedScenario(FSDPExtTestCase):
+    @unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes")
+    def test_assertion_reproduces_without_plugin_and_is_fixed_with_it(self):
+        with plugin(False):
+            model = shard_model(seed_000_model(), mp_policy=MP)
+            with self.assertRaises(AssertionError) as caught:
+                model(batch(self.rank))
+        self.assertExpectedInline(
+            error_text(caught.exception),
+            """FSDP expects uniform original parameter dtype but got {torch.bfloat16, torch.float32}""",
+        )
+        with plugin(True):
+            model = shard_model(seed_000_model(), mp_policy=MP)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            losses = train(model, optimizer, self.rank, steps=2)
+        self.assertTrue(all(torch.isfinite(loss) for loss in losses))
+        self.assertEqual({p.dtype for p in model.parameters()}, {torch.float32})
+
+    def test_training_matches_single_process_reference(self):
+        """Losses, gradients and updated params equal fp32-master/bf16-compute done by hand."""
+        with plugin(True):
+            model = shard_model(seed_000_model(), mp_policy=MP)
+            master = seed_000_model().float()  # the same initial values, fp32 master weights
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+            ref_optimizer = torch.optim.SGD(master.parameters(), lr=0.5)
+            for step in range(2):
+                tokens = batch(self.rank, step)
+                loss = lm_loss(model(tokens), tokens)
+                loss.backward()
+                ref_losses = bf16_compute_reference(master, [batch(r, step) for r in range(self.world_size)])
+                torch.testing.assert_close(loss.detach(), ref_losses[self.rank], rtol=0, atol=0)
+                grads = full_grads(model)
+                for name, param in master.named_parameters():
+                    self.assertEqual(grads[name].dtype, torch.float32)
+                    torch.testing.assert_close(grads[name], param.grad, rtol=1e-6, atol=1e-7, msg=name)
+                optimizer.step()
+                ref_optimizer.step()
+                optimizer.zero_grad()
+                ref_optimizer.zero_grad()
+            updated = full_params(model)
+            for name, param in master.named_parameters():
+                torch.testing.assert_close(updated[name], param, rtol=1e-6, atol=1e-7, msg=name)
+
+    def test_tiny_update_survives_in_fp32_master_and_optimizer_state_is_fp32(self):
+        with plugin(True):
+            model = shard_model(seed_000_model(), mp_policy=MP)
+            before = full_params(model)
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
+            train(model, optimizer, self.rank, steps=1)
+            after = full_params(model)
+        name = "layers.0.wq.weight"  # a formerly-bf16 parameter
+        change = after[name] - before[name]
+        self.assertGreater(change.abs().max().item(), 0)
+        # The same update applied to bf16 master weights would have vanished (the point of fp32 masters).
+        large = before[name].abs() > 1e-2
+        bf16_master = before[name][large].bfloat16()
+        self.assertTrue(torch.equal(bf16_master + change[large].bfloat16(), bf16_master))
+        for state in optimizer.state.values():
+            self.assertEqual(state["exp_avg"].dtype, torch.float32)
+            self.assertEqual(state["exp_avg_sq"].dtype, torch.float32)
+
+
+class TestIdentityAndLateChanges(FSDPExtTestCase):
+    def test_optimizer_built_after_fully_shard_steps_the_model_parameters(self):
+        with plugin(True):
+            model = shard_model(seed_000_model(), mp_policy=MP)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            held = [p for group in optimizer.param_groups for p in group["params"]]
+            before = full_params(model)
+            train(model, optimizer, self.rank, steps=1)
+            self.assertEqual([id(p) for p in model.parameters()], [id(p) for p in held])
+            after = full_params(model)
+            self.assertTrue(all(not torch.equal(before[n], after[n]) for n in after if "embed" not in n))
+
+    def test_dtype_change_after_fully_shard_is_caught_at_lazy_init(self):
+        with plugin(True):
+            torch.manual_seed(0)
+            model = shard_model(seed_000_model().float(), mp_policy=MP)  # uniform at shard time
+            model.layers[1].wq.to(torch.bfloat16)  # ... then one submodule changes dtype
+            self.assertEqual(model.layers[1].wq.weight.dtype, torch.bfloat16)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # built before the first forward
+            held = [p for group in optimizer.param_groups for p in group["params"]]
+            before = full_params(model)
+            train(model, optimizer, self.rank, steps=1)
+            self.assertEqual([id(p) for p in model.parameters()], [id(p) for p in held])
+            self.assertEqual(model.layers[1].wq.weight.dtype, torch.float32)
+            after = full_params(model)
+            self.assertFalse(torch.equal(before["layers.1.wq.weight"], after["layers.1.wq.weight"]))
+
+    def test_load_state_dict_assign_with_bf16_tensors(self):
+        with plugin(True):
+            model = shard_model(seed_000_model().float(), mp_policy=MP)
+            state = model.state_dict()
+            for name in list(state):
+                if name.startswith("layers.0.w"):
+                    state[name] = state[name].to(torch.bfloat16)
+            model.load_state_dict(state, assign=True)
+            self.assertEqual(model.layers[0].w1.weight.dtype, torch.bfloat16)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses = train(model, optimizer, self.rank, steps=2)
+            self.assertEqual(model.layers[0].w1.weight.dtype, torch.float32)
+            self.assertTrue(all(torch.isfinite(loss) for loss in losses))
+
+    def test_module_sharded_before_install(self):
+        torch_fsdp_ext.uninstall()
+        try:
+            model = shard_model(seed_000_model(), mp_policy=MP)  # groups built by unpatched torch
+            torch_fsdp_ext.install()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses = train(model, optimizer, self.rank, steps=1)
+        finally:
+            torch_fsdp_ext.install()
+        self.assertTrue(torch.isfinite(losses[0]))
+        self.assertEqual({p.dtype for p in model.parameters()}, {torch.float32})
+
+
+class TestSkipRules(FSDPExtTestCase):
+    def test_frozen_bf16_base_stays_bf16_and_keeps_its_shard_bytes(self):
+        with plugin(True):
+            torch.manual_seed(0)
+            model = nn.Sequential(LoRALinear(16), RMSNorm(16).to(torch.bfloat16))
+            bytes_before = model[0].base.weight.numel() * 2 // self.world_size
+            fully_shard(model, mp_policy=MP)
+            model(torch.randn(4, 16)).float().sum().backward()
+            base = model[0].base.weight
+            self.assertEqual(base.dtype, torch.bfloat16)
+            self.assertEqual(base.to_local().numel() * base.to_local().element_size(), bytes_before)
+            self.assertEqual(model[0].lora_a.weight.dtype, torch.float32)
+            self.assertEqual(model[1].weight.dtype, torch.float32)  # trainable bf16 norm: upcast
+
+    def test_uint8_storage_is_never_cast(self):
+        with plugin(True):
+            model = nn.Sequential(nn.Linear(16, 16).to(torch.bfloat16), RMSNorm(16))
+            model[0].register_parameter(
+                "packed", nn.Parameter(torch.zeros(16, 8, dtype=torch.uint8), requires_grad=False)
+            )
+            fully_shard(model, mp_policy=MP)
+            model(torch.randn(4, 16)).float().sum().backward()
+            self.assertEqual(model[0].packed.dtype, torch.uint8)
+            self.assertEqual(model[0].weight.dtype, torch.float32)
+
+    def test_ignored_params_are_left_alone(self):
+        with plugin(True):
+            model = nn.Sequential(nn.Linear(16, 16).to(torch.bfloat16), RMSNorm(16), nn.Linear(16, 16))
+            ignored = model[0].weight
+            fully_shard(model, mp_policy=MP, ignored_params={ignored})
+            self.assertIs(model[0].weight, ignored)
+            self.assertEqual(model[0].bias.dtype, torch.float32)  # sharded with the fp32 group
+            self.assertEqual(ignored.dtype, torch.bfloat16)
+
+    def test_trainable_float8_param_gives_an_error_that_names_it(self):
+        if not hasattr(torch, "float8_e4m3fn"):
+            self.skipTest("no float8 dtypes")
+        with plugin(True):
+            model = nn.Sequential(nn.Linear(16, 16).to(torch.bfloat16), RMSNorm(16))
+            model[1].register_parameter("scale8", nn.Parameter(torch.zeros(16, dtype=torch.float8_e4m3fn)))
+            fully_shard(model, mp_policy=MP)
+            with self.assertRaises(MixedParamDtypeError) as caught:
+                model(torch.randn(4, 16))
+        self.assertExpectedInline(
+            str(caught.exception),
+            """\
+torch_fsdp_ext: FSDP2 param group '<root>' needs one dtype for its trainable parameters but has bfloat16, float32, float8_e4m3fn:
+  1.weight: float32
+  1.scale8: float8_e4m3fn (must not be cast: float8)
+  0.weight: bfloat16
+  0.bias: bfloat16
+Fix: parameters that must not be cast need one dtype per group: freeze them (requires_grad_(False)), give them their own fully_shard group, or pass them in ignored_params.""",
+        )
+
+    def test_exclusion_rules(self):
+        class WithExtension(torch.Tensor):
+            def fsdp_pre_all_gather(self, *args, **kwargs):  # pragma: no cover - never called
+                raise NotImplementedError
+
+        extension = torch.zeros(2).as_subclass(WithExtension)
+        self.assertEqual(cast_exclusion_reason(extension), "tensor subclass with fsdp_pre_all_gather")
+        self.assertEqual(cast_exclusion_reason(torch.zeros(2, dtype=torch.uint8)), "non-floating storage (quantized?)")
+        self.assertIsNone(cast_exclusion_reason(torch.zeros(2, dtype=torch.bfloat16)))
+
+
+class TestStrategiesAndMessages(FSDPExtTestCase):
+    def test_error_strategy_names_every_parameter(self):
+        with plugin(True, dtype_strategy="error"):
+            model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), RMSNorm(4))
+            fully_shard(model, mp_policy=MP)
+            self.assertEqual(model[0].weight.dtype, torch.bfloat16)  # nothing cast
+            with self.assertRaises(MixedParamDtypeError) as caught:
+                model(torch.randn(2, 4))
+        self.assertExpectedInline(
+            str(caught.exception),
+            """\
+torch_fsdp_ext: FSDP2 param group '<root>' needs one dtype for its trainable parameters but has bfloat16, float32:
+  1.weight: float32
+  0.weight: bfloat16
+  0.bias: bfloat16
+Fix: install the plugin with dtype_strategy='upcast' to keep fp32 master weights, or cast these parameters to one dtype before fully_shard (e.g. model.float()), or freeze them (requires_grad_(False)).""",
+        )
+
+    def test_no_mixed_precision_warns_and_names_the_parameters(self):
+        with plugin(True), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), RMSNorm(4))
+            fully_shard(model)
+            model(torch.randn(2, 4)).sum().backward()
+        messages = [str(w.message) for w in caught if "torch_fsdp_ext" in str(w.message)]
+        self.assertEqual(len(messages), 1, messages)
+        self.assertIn("Sequential:0.weight (bfloat16), Sequential:0.bias (bfloat16)", messages[0])
+        self.assertIn("MixedPrecisionPolicy(param_dtype=torch.bfloat16)", messages[0])
+
+    def test_upcast_is_logged_with_fqns_and_bytes(self):
+        with plugin(True), self.assertLogs("torch_fsdp_ext", level=logging.INFO) as logs:
+            model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), RMSNorm(4))
+            fully_shard(model, mp_policy=MP)
+        # 20 bf16 elements gain 2 bytes each before sharding.
+        self.assertIn("upcast 2 trainable parameter(s)", logs.output[0])
+        self.assertIn("+40 bytes before sharding", logs.output[0])
+
+    def test_ranks_that_disagree_get_a_clear_error(self):
+        with plugin(True):
+            model = nn.Sequential(nn.Linear(4, 4), RMSNorm(4))
+            if self.rank == 1:
+                model.to(torch.bfloat16)  # uniform on each rank, but not the same dtype
+            fully_shard(model, mp_policy=MP)
+            with self.assertRaises(MixedParamDtypeError) as caught:
+                model(torch.randn(2, 4))
+        self.assertIn("ranks disagree", str(caught.exception))
+        self.assertIn("0.weight: rank 0: torch.float32, rank 1: torch.bfloat16", str(caught.exception))
+
+    def test_releases_whose_check_counts_frozen_params(self):
+        """Simulates torch 2.5's check (frozen params counted) to test the trainable-only path."""
+        with plugin(True):
+            fix = torch_fsdp_ext._install._active["dtype"][0]
+            group_cls = _compat.load_internals().FSDPParamGroup
+            unwrapped = group_cls._init_mp_dtypes.__wrapped__
+
+            def counts_frozen_too(group):
+                dtypes = {p.sharded_param.dtype for p in group.fsdp_params}
+                assert len(dtypes) == 1, f"FSDP expects uniform original parameter dtype but got {dtypes}"
+                return unwrapped(group)
+
+            fix.counts_frozen = True
+            model = nn.Sequential(LoRALinear(8))
+            fully_shard(model, mp_policy=MP)
+            group = model._get_fsdp_state()._fsdp_param_groups[0]
+            with self.assertRaises(AssertionError):
+                counts_frozen_too(group)  # what 2.5 would do with a frozen bf16 base
+            fix._init_mp_dtypes_trainable_only(counts_frozen_too, group)
+            self.assertEqual(group._orig_dtype, torch.float32)
+            self.assertEqual({p.orig_dtype for p in group.fsdp_params}, {torch.float32, torch.bfloat16})
+
+
+class TestComposition(FSDPExtTestCase):
+    def _train_seed_model(self, **fully_shard_kwargs) -> nn.Module:
+        model = shard_model(seed_000_model(), mp_policy=MP, **fully_shard_kwargs)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = train(model, optimizer, self.rank, steps=2)
+        self.assertTrue(all(torch.isfinite(loss) for loss in losses))
+        return model, losses
+
+    def test_reshard_after_forward_variants_give_identical_losses(self):
+        with plugin(True):
+            results = [self._train_seed_model(reshard_after_forward=v)[1] for v in (True, False)]
+            if self.world_size > 1:
+                results.append(self._train_seed_model(reshard_after_forward=1)[1])
+        for other in results[1:]:
+            torch.testing.assert_close(torch.stack(other), torch.stack(results[0]), rtol=0, atol=0)
+
+    def test_cpu_offload(self):
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        with plugin(True):
+            pin = torch.cuda.is_available()
+            model, _ = self._train_seed_model(offload_policy=CPUOffloadPolicy(pin_memory=pin))
+            weight = model.layers[0].wq.weight.to_local()
+            self.assertEqual(weight.dtype, torch.float32)
+            self.assertEqual(weight.device.type, "cpu")
+            self.assertEqual(weight.is_pinned(), pin)
+
+    def test_meta_device_init_then_to_empty(self):
+        with plugin(True):
+            with torch.device("meta"):
+                model = seed_000_model()
+            shard_model(model, mp_policy=MP)
+            model.to_empty(device=self.device)
+            torch.manual_seed(0)
+            for param in model.parameters():
+                nn.init.normal_(param.to_local(), std=0.02)  # a real init writes the local shards
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses = train(model, optimizer, self.rank, steps=1)
+            self.assertTrue(torch.isfinite(losses[0]))
+            self.assertEqual({p.dtype for p in model.parameters()}, {torch.float32})
+
+    def test_grouped_fully_shard(self):
+        with plugin(True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), RMSNorm(8), nn.Linear(8, 8))
+            try:
+                fully_shard([model[0], model[1]], mp_policy=MP)
+            except TypeError:
+                self.skipTest("this torch has no grouped fully_shard")
+            fully_shard(model, mp_policy=MP)
+            model(torch.randn(2, 8)).float().sum().backward()
+            self.assertEqual(model[0].weight.dtype, torch.float32)
+
+    def test_state_dict_round_trip(self):
+        import torch.distributed.checkpoint as dcp
+
+        with plugin(True):
+            model, _ = self._train_seed_model()
+            path = [self.file_name + ".dcp"]
+            dist.broadcast_object_list(path, src=0)
+            dcp.save(model.state_dict(), checkpoint_id=path[0])
+            restored = shard_model(seed_000_model(seed=1), mp_policy=MP)
+            state = restored.state_dict()
+            dcp.load(state, checkpoint_id=path[0])
+            restored.load_state_dict(state)
+            mine, theirs = full_params(model), full_params(restored)
+            for name in mine:
+                self.assertEqual(theirs[name].dtype, torch.float32)
+                self.assertTrue(torch.equal(mine[name], theirs[name]), name)
+
+
+class TestWorldSizeOne(FSDPExtTestCase):
+    WORLD_SIZE = 1
+
+    def test_seed_scenario_trains_and_matches_reference(self):
+        with plugin(True):
+            model = shard_model(seed_000_model(), mp_policy=MP)
+            master = seed_000_model().float()
+            tokens = batch(0)
+            loss = lm_loss(model(tokens), tokens)
+            loss.backward()
+            ref_losses = bf16_compute_reference(master, [tokens])
+        torch.testing.assert_close(loss.detach(), ref_losses[0], rtol=0, atol=0)
+        grads = full_grads(model)
+        for name, param in master.named_parameters():
+            torch.testing.assert_close(grads[name], param.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+if __name__ == "__main__":
+    run_tests()
