@@ -1,0 +1,199 @@
+"""``python -m torch_fsdp_ext doctor``: what this torch needs, what is active, and a live self-test.
+
+The self-test runs the two seed scenarios (``shared/seeds``) on real ranks, once
+without and once with the plugin, and checks the patched result, not just the
+absence of an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _compat
+from ._install import FIX_NAMES, install, status, uninstall
+
+
+@dataclass
+class Backend:
+    name: str  # "gloo" or "nccl"
+    device_type: str
+    world_size: int
+
+
+def choose_backend(world_size: int) -> Backend:
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        # NCCL refuses several ranks on one GPU.
+        return Backend("nccl", "cuda", min(world_size, torch.cuda.device_count()))
+    return Backend("gloo", "cpu", world_size)
+
+
+# -- scenarios (run on every rank) -------------------------------------------------
+
+
+def _mixed_dtype_scenario(device: torch.device) -> None:
+    """Seed 000: bf16 linears with an fp32 norm in one group, bf16 compute, a tiny SGD step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)).to(device)
+    model[0].to(torch.bfloat16)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    before = model[0].weight.full_tensor().clone()
+    model(torch.randn(4, 16, device=device)).float().pow(2).sum().backward()
+    optimizer.step()
+    if {p.dtype for p in model.parameters()} != {torch.float32}:
+        raise ValueError("wrong result: master weights are not all fp32")
+    if torch.equal(before, model[0].weight.full_tensor()):
+        raise ValueError("wrong result: an lr=1e-6 step did not change the fp32 master weights")
+
+
+class _SeedModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear1(nn.functional.gelu(x))
+
+
+def _recompute_scenario(device: torch.device) -> None:
+    """Seed 004: checkpoint(fully_shard module) under autocast; grads must match no checkpoint."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.utils.checkpoint import checkpoint
+
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = _SeedModule().to(device)
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+        x = torch.randn(8, 64, device=device, requires_grad=True)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+            out = checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
+            out.float().sum().backward()
+        grads.append(x.grad)
+    if not torch.equal(grads[0], grads[1]):
+        raise ValueError("wrong result: gradients differ from the run without checkpointing")
+
+
+SCENARIOS = {"dtype": _mixed_dtype_scenario, "recompute": _recompute_scenario}
+
+
+def _outcome(fn, device: torch.device) -> str:
+    try:
+        fn(device)
+    except Exception as e:  # noqa: BLE001 - the outcome is the report
+        message = str(e).splitlines()[0] if str(e) else ""
+        return "wrong result" if message.startswith("wrong result") else type(e).__name__
+    return "ok"
+
+
+def _rank_main(rank: int, backend: Backend, init_file: str, result_file: str) -> None:
+    device = torch.device(backend.device_type, rank) if backend.device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend.name, init_method=f"file://{init_file}", rank=rank, world_size=backend.world_size)
+    results = {}
+    try:
+        for name, fn in SCENARIOS.items():
+            uninstall()
+            without = _outcome(fn, device)
+            install()
+            results[name] = {"without": without, "with": _outcome(fn, device)}
+    except Exception:  # noqa: BLE001
+        results["error"] = traceback.format_exc()
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(result_file, "w") as f:
+            json.dump(results, f)
+
+
+def run_self_test(backend: Backend, timeout: float = 120.0) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, result_file = os.path.join(tmp, "init"), os.path.join(tmp, "result.json")
+        context = mp.start_processes(
+            _rank_main, args=(backend, init_file, result_file), nprocs=backend.world_size,
+            start_method="spawn", join=False,
+        )
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                return {"error": f"self-test did not finish within {timeout:.0f} s"}
+        with open(result_file) as f:
+            return json.load(f)
+
+
+# -- report --------------------------------------------------------------------------
+
+
+def describe(fix: str, outcome: dict) -> tuple[str, bool]:
+    """One table cell, e.g. 'AssertionError reproduced → fixed', and whether the fix passed."""
+    without, with_plugin = outcome["without"], outcome["with"]
+    before = "not reproduced" if without == "ok" else f"{without} reproduced"
+    if with_plugin == "ok":
+        after = "fixed" if without != "ok" else "ok"
+    else:
+        after = f"still fails: {with_plugin}"
+    return f"{before} → {after}", with_plugin == "ok"
+
+
+def format_table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def fix_rows(report, outcomes: dict) -> tuple[list[list[str]], bool]:
+    rows = [["fix", "needed", "active", "self-test (without plugin → with plugin)"]]
+    healthy = True
+    for name in FIX_NAMES:
+        fix = report.fixes[name]
+        needed = "unsupported" if fix.needed is None else ("yes" if fix.needed else "no")
+        if name in outcomes:
+            cell, passed = describe(name, outcomes[name])
+            healthy &= passed or not fix.needed
+        else:
+            cell = "not run"
+        if name == "recompute" and fix.details.get("replays"):
+            ours = [what for what, who in fix.details["replays"].items() if who == "torch_fsdp_ext"]
+            cell += f"; replays {', '.join(ours)}"
+        rows.append([name, needed, "yes" if fix.active else "no", cell])
+    return rows, healthy
+
+
+def doctor(world_size: int = 2) -> int:
+    report = status()
+    internals = _compat.load_internals()
+    backend = choose_backend(world_size)
+    print("torch_fsdp_ext doctor")
+    print(f"torch {torch.__version__}; FSDP2 at {internals.fsdp_package or 'not found'}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    print(
+        f"backends: gloo {'yes' if dist.is_gloo_available() else 'no'}, nccl "
+        f"{'yes' if dist.is_nccl_available() else 'no'}, cuda {'yes' if gpus else 'no'} ({gpus} GPUs)"
+    )
+    if not report.supported:
+        print("unsupported torch: " + "; ".join(report.missing))
+        print("the plugin patches nothing here; torch behaves as without it")
+        return 0
+    print(f"self-test: {backend.world_size} rank(s), {backend.name} on {backend.device_type}")
+    outcomes = run_self_test(backend)
+    if "error" in outcomes:
+        print(f"self-test could not run:\n{outcomes['error']}")
+        return 1
+    rows, healthy = fix_rows(report, outcomes)
+    print(format_table(rows))
+    return 0 if healthy else 1
