@@ -1,0 +1,245 @@
+"""install / uninstall / status: idempotence, identity, import order, unsupported torch."""
+
+from __future__ import annotations
+
+import textwrap
+import types
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.utils.checkpoint import checkpoint
+
+import torch_fsdp_ext
+from torch_fsdp_ext import _compat
+
+from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, plugin, run_python
+
+
+def patched_attributes() -> dict[tuple[str, str], object]:
+    """Every attribute the fixes may touch, as found in each owner's own ``__dict__``."""
+    internals = _compat.load_internals()
+    out = {}
+    for owner, name in _compat.WRAPPED_METHODS:
+        cls = internals.symbols[owner]
+        out[(owner, name)] = cls.__dict__.get(name, "<inherited>")
+    return out
+
+
+class TestInstallUninstall(TestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        self.was_active = [n for n, f in torch_fsdp_ext.status().fixes.items() if f.active]
+
+    def tearDown(self) -> None:
+        torch_fsdp_ext.uninstall()
+        torch_fsdp_ext.install(self.was_active)
+        super().tearDown()
+
+    def test_import_installed_what_this_torch_needs(self):
+        report = torch_fsdp_ext.status()
+        self.assertTrue(report.supported)
+        self.assertEqual(report.fixes["dtype"].active, HAS_DTYPE_BUG)
+        self.assertTrue(report.fixes["recompute"].active)  # root device move: no release replays it yet
+        expected_input_cast = "torch_fsdp_ext" if HAS_RECOMPUTE_CAST_BUG else "upstream"
+        self.assertEqual(report.fixes["recompute"].details["replays"]["input cast"], expected_input_cast)
+        self.assertIn("FSDPState._pre_forward", " ".join(report.fixes["recompute"].wraps))
+
+    def test_install_is_idempotent(self):
+        torch_fsdp_ext.install()
+        once = patched_attributes()
+        torch_fsdp_ext.install()
+        self.assertEqual({k: id(v) for k, v in patched_attributes().items()}, {k: id(v) for k, v in once.items()})
+
+    def test_uninstall_restores_every_original_by_identity_after_1000_cycles(self):
+        torch_fsdp_ext.uninstall()
+        pristine = patched_attributes()
+        torch_fsdp_ext.install()
+        patched = patched_attributes()
+        changed = [key for key in pristine if patched[key] is not pristine[key]]
+        self.assertEqual(len(changed), len(_compat.WRAPPED_METHODS) if HAS_DTYPE_BUG else 8)
+        for _ in range(1000):
+            torch_fsdp_ext.install()
+            torch_fsdp_ext.uninstall()
+        after = patched_attributes()
+        for key, original in pristine.items():
+            self.assertIs(after[key], original, key)
+        self.assertEqual([n for n, f in torch_fsdp_ext.status().fixes.items() if f.active], [])
+
+    def test_context_manager_removes_only_what_it_installed(self):
+        torch_fsdp_ext.uninstall()
+        torch_fsdp_ext.install(["recompute"])
+        with torch_fsdp_ext.installed() as active:
+            self.assertIn("recompute", active)
+            self.assertEqual("dtype" in active, HAS_DTYPE_BUG)
+        self.assertEqual([n for n, f in torch_fsdp_ext.status().fixes.items() if f.active], ["recompute"])
+
+    def test_unknown_fix_and_strategy_are_rejected(self):
+        with self.assertRaisesRegex(ValueError, "unknown fix"):
+            torch_fsdp_ext.install(["dtypes"])
+        with self.assertRaisesRegex(ValueError, "dtype_strategy must be one of"):
+            torch_fsdp_ext.install(dtype_strategy="downcast")
+
+    def test_status_reports_probed_needs(self):
+        report = torch_fsdp_ext.status().fixes
+        self.assertEqual(report["dtype"].needed, HAS_DTYPE_BUG)
+        self.assertEqual(report["recompute"].needed, True)
+
+
+class TestFreshInterpreter(TestCase):
+    """Import order and environment: each case in a new Python process."""
+
+    SEEDS = textwrap.dedent(
+        """
+        import os, torch, torch.nn as nn, torch.distributed as dist
+        from torch.utils.checkpoint import checkpoint
+        dist.init_process_group("gloo", init_method="file://" + os.environ["INIT_FILE"], rank=0, world_size=1)
+
+        def mixed_dtypes(fully_shard, MixedPrecisionPolicy):
+            m = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.LayerNorm(8))
+            fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+            return m
+
+        def run_mixed(m):
+            m(torch.randn(2, 8)).float().sum().backward()
+
+        def checkpointed(fully_shard, MixedPrecisionPolicy):
+            m = nn.Sequential(nn.GELU(), nn.Linear(8, 8))
+            fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+            return m
+
+        def run_checkpointed(m):
+            x = torch.randn(2, 8, requires_grad=True)
+            checkpoint(m, x, use_reentrant=False).float().sum().backward()
+
+        def outcome(fn, *args):
+            try:
+                fn(*args)
+                return "ok"
+            except Exception as e:
+                return type(e).__name__
+        """
+    )
+
+    def run_case(self, body: str, env: dict | None = None) -> str:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {"INIT_FILE": f"{tmp}/init", **(env or {})}
+            result = run_python(self.SEEDS + textwrap.dedent(body), env=env)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        return result.stdout.strip()
+
+    def test_fully_shard_imported_before_the_plugin(self):
+        out = self.run_case(
+            """
+            from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+            import torch_fsdp_ext
+            print(outcome(run_mixed, mixed_dtypes(fully_shard, MixedPrecisionPolicy)),
+                  outcome(run_checkpointed, checkpointed(fully_shard, MixedPrecisionPolicy)))
+            """
+        )
+        self.assertEqual(out, "ok ok")
+
+    def test_fully_shard_called_before_install(self):
+        out = self.run_case(
+            """
+            from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+            import torch_fsdp_ext
+            mixed, ckpt = mixed_dtypes(fully_shard, MixedPrecisionPolicy), checkpointed(fully_shard, MixedPrecisionPolicy)
+            torch_fsdp_ext.install()
+            rebound = torch_fsdp_ext.status().fixes["recompute"].details["rebound_hooks"]
+            print(outcome(run_mixed, mixed), outcome(run_checkpointed, ckpt), rebound)
+            """,
+            env={"TORCH_FSDP_EXT_DISABLE": "1"},
+        )
+        self.assertEqual(out, "ok ok 4")  # pre and post hook of two modules sharded earlier
+
+    def test_disable_env_var_imports_without_patching(self):
+        out = self.run_case(
+            """
+            import torch_fsdp_ext
+            from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+            print([n for n, f in torch_fsdp_ext.status().fixes.items() if f.active],
+                  outcome(run_mixed, mixed_dtypes(fully_shard, MixedPrecisionPolicy)))
+            """,
+            env={"TORCH_FSDP_EXT_DISABLE": "1"},
+        )
+        self.assertEqual(out, "[] AssertionError" if HAS_DTYPE_BUG else "[] ok")
+
+    def test_unsupported_torch_warns_once_and_changes_nothing(self):
+        out = self.run_case(
+            """
+            import warnings
+            import torch_fsdp_ext
+            from torch_fsdp_ext import _compat
+            _compat.FSDP2_PACKAGES = ("torch.distributed.no_such_fsdp",)  # internals that moved
+            _compat.load_internals.cache_clear()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                first, second = torch_fsdp_ext.install(), torch_fsdp_ext.install()
+            from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+            print(first, second, len(caught), torch_fsdp_ext.status().supported,
+                  outcome(run_mixed, mixed_dtypes(fully_shard, MixedPrecisionPolicy)))
+            print(caught[0].message)
+            """,
+            env={"TORCH_FSDP_EXT_DISABLE": "1"},
+        )
+        first_line, warning = out.splitlines()
+        self.assertEqual(first_line, "[] [] 1 False " + ("AssertionError" if HAS_DTYPE_BUG else "ok"))
+        self.assertIn("torch.distributed.no_such_fsdp", warning)
+        self.assertIn("nothing is patched", warning)
+
+    def test_release_that_fixed_a_bug_gets_no_patch(self):
+        out = self.run_case(
+            """
+            import torch_fsdp_ext
+            from torch_fsdp_ext import _compat
+            _compat.probe_rejects_mixed_trainable_dtypes = lambda: False  # as if upstream fixed it
+            _compat.probe_recompute_casts_inputs = lambda: True
+            _compat.probe_recompute_moves_inputs = lambda: True
+            print(torch_fsdp_ext.install(), torch_fsdp_ext.status().fixes["dtype"].reason)
+            """,
+            env={"TORCH_FSDP_EXT_DISABLE": "1"},
+        )
+        self.assertEqual(out, "[] this torch accepts mixed trainable dtypes in one group")
+
+
+class TestAlreadyShardedModules(FSDPExtTestCase):
+    WORLD_SIZE = 1
+
+    def test_hooks_of_earlier_modules_are_rebound_and_restored_by_identity(self):
+        torch_fsdp_ext.uninstall()
+        model = torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(8, 8))
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        hooks = dict(model._forward_pre_hooks), dict(model._forward_hooks)
+        torch_fsdp_ext.install()
+        state_cls = _compat.load_internals().FSDPState
+        for hooks_now, method in ((model._forward_pre_hooks, "_pre_forward"), (model._forward_hooks, "_post_forward")):
+            fsdp_hooks = [h for h in hooks_now.values() if isinstance(h, types.MethodType)]
+            self.assertEqual([h.__func__ for h in fsdp_hooks], [state_cls.__dict__[method]])
+        self.assertEqual(torch_fsdp_ext.status().fixes["recompute"].details["rebound_hooks"], 2)
+        x = torch.randn(2, 8, requires_grad=True)
+        checkpoint(model, x, use_reentrant=False).float().sum().backward()  # raises on 2.12 if not rebound
+        torch_fsdp_ext.uninstall()
+        for before, now in zip(hooks, (model._forward_pre_hooks, model._forward_hooks)):
+            for key, hook in before.items():
+                self.assertIs(now[key], hook)
+        torch_fsdp_ext.install()
+
+    def test_modules_sharded_while_installed_pass_through_after_uninstall(self):
+        with plugin(True):
+            model = torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(8, 8))
+            fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        # Uninstalled now: the hook still points at our wrapper, which must behave like torch.
+        x = torch.randn(2, 8, requires_grad=True)
+        out = checkpoint(model, x, use_reentrant=False).float().sum()
+        if HAS_RECOMPUTE_CAST_BUG:
+            with self.assertRaises(torch.utils.checkpoint.CheckpointError):
+                out.backward()
+        else:
+            out.backward()
+
+
+if __name__ == "__main__":
+    run_tests()
