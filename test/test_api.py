@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 import torch_fsdp_ext
 from torch_fsdp_ext import _compat
 
-from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, plugin, run_python
+from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, run_python
 
 
 def patched_attributes() -> dict[tuple[str, str], object]:
@@ -228,17 +228,21 @@ class TestAlreadyShardedModules(FSDPExtTestCase):
         torch_fsdp_ext.install()
 
     def test_modules_sharded_while_installed_pass_through_after_uninstall(self):
-        with plugin(True):
-            model = torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(8, 8))
-            fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        # Uninstalled now: the hook still points at our wrapper, which must behave like torch.
-        x = torch.randn(2, 8, requires_grad=True)
-        out = checkpoint(model, x, use_reentrant=False).float().sum()
-        if HAS_RECOMPUTE_CAST_BUG:
-            with self.assertRaises(torch.utils.checkpoint.CheckpointError):
+        torch_fsdp_ext.install()
+        model = torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(8, 8))
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        torch_fsdp_ext.uninstall()
+        try:
+            # The hook still points at our wrapper, which must now behave like torch.
+            x = torch.randn(2, 8, requires_grad=True)
+            out = checkpoint(model, x, use_reentrant=False).float().sum()
+            if HAS_RECOMPUTE_CAST_BUG:
+                with self.assertRaises(torch.utils.checkpoint.CheckpointError):
+                    out.backward()
+            else:
                 out.backward()
-        else:
-            out.backward()
+        finally:
+            torch_fsdp_ext.install()
 
 
 if __name__ == "__main__":

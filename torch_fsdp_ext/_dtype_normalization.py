@@ -262,7 +262,8 @@ class DtypeNormalization:
         (first forward only).
         """
         pg = _compat.group_process_group(group)
-        if pg is None or dist.get_world_size(pg) == 1:
+        # The fake backend (world-size simulation) moves no data, so there is nothing to compare.
+        if pg is None or dist.get_world_size(pg) == 1 or dist.get_backend(pg) == "fake":
             return
         layout = [(str(p.sharded_param.dtype), _compat.fsdp_param_is_trainable(p)) for p in group.fsdp_params]
         device = torch.device("cpu") if dist.get_backend(pg) == "gloo" else group.device

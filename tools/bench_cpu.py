@@ -1,0 +1,337 @@
+"""CPU benchmarks of the plugin's cost, patched vs unpatched side by side in one run.
+
+    python tools/bench_cpu.py all            # every section, with its bounds (exit 1 if one is missed)
+    python tools/bench_cpu.py overhead       # hook overhead: ratio and added µs per FSDP module forward
+    python tools/bench_cpu.py memory         # 1,000 checkpointed iterations: peak memory and live objects
+    python tools/bench_cpu.py init           # cost of the dtype upcast vs model.float() before fully_shard
+    python tools/bench_cpu.py scaling        # fake process group: 8, 128, 1024 ranks
+    python tools/bench_cpu.py all --quick    # smoke test (CI): tiny sizes, bounds not enforced
+
+Note: patched and unpatched runs alternate in blocks inside one process (and, for
+world size 2, in lockstep on both ranks), so both see the same machine state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+
+os.environ.setdefault("TORCH_FSDP_EXT_DISABLE", "1")  # each section installs explicitly
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+import torch_fsdp_ext
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+BOUND_RATIO = 1.03
+BOUND_ADDED_US = 20.0
+BOUND_MEMORY_RATIO = 1.005
+
+
+class SmallBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int, dim: int = 32, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(SmallBlock(dim) for _ in range(blocks))
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return x
+
+
+def build_stack(blocks: int, checkpointed: bool, patched: bool) -> nn.Module:
+    """Shard with the plugin on or off, so the module's hooks are the ones that state implies."""
+    (torch_fsdp_ext.install if patched else torch_fsdp_ext.uninstall)()
+    torch.manual_seed(0)
+    model = Stack(blocks, checkpointed=checkpointed)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=BF16)
+    fully_shard(model, mp_policy=BF16)
+    return model
+
+
+def step(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).float().sum().backward()
+
+
+def timed_steps(model: nn.Module, x: torch.Tensor, reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        step(model, x)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    lines = ["  ".join(str(c).rjust(w) for c, w in zip(header, widths))]
+    lines += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+# -- overhead ---------------------------------------------------------------------
+
+
+def measure_overhead(sizes: list[int], rounds: int, reps: int) -> list[list]:
+    """Median step time unpatched vs patched; rounds of ``reps`` steps alternate between the two."""
+    results = []
+    x = torch.randn(8, 32)
+    for checkpointed in (False, True):
+        for blocks in sizes:
+            models = {patched: build_stack(blocks, checkpointed, patched) for patched in (False, True)}
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for patched in (False, True):  # warm-up (lazy init) in the matching state
+                (torch_fsdp_ext.install if patched else torch_fsdp_ext.uninstall)()
+                timed_steps(models[patched], x, 3)
+            for _ in range(rounds):
+                for patched in (False, True):
+                    (torch_fsdp_ext.install if patched else torch_fsdp_ext.uninstall)()
+                    times[patched] += timed_steps(models[patched], x, reps)
+            base, ours = statistics.median(times[False]), statistics.median(times[True])
+            # FSDP module forwards per step: blocks + root, and the blocks again when recomputed.
+            forwards = blocks + 1 + (blocks if checkpointed else 0)
+            results.append([blocks, checkpointed, base * 1e3, ours * 1e3, ours / base, (ours - base) / forwards * 1e6])
+    torch_fsdp_ext.uninstall()
+    return results
+
+
+def overhead_rows(results: list[list]) -> tuple[list[list[str]], bool]:
+    rows, ok = [], True
+    for blocks, checkpointed, base_ms, ours_ms, ratio, added_us in results:
+        within = ratio <= BOUND_RATIO and added_us <= BOUND_ADDED_US
+        ok &= within
+        rows.append([blocks, "yes" if checkpointed else "no", f"{base_ms:.3f}", f"{ours_ms:.3f}", f"{ratio:.4f}",
+                     f"{added_us:+.2f}", "ok" if within else "MISSED"])
+    return rows, ok
+
+
+# -- memory -------------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure_memory(iterations: int) -> list[list]:
+    x = torch.randn(8, 32)
+    rows = []
+    for patched in (False, True):
+        model = build_stack(8, checkpointed=True, patched=patched)
+        for _ in range(5):
+            step(model, x)
+        gc.collect()
+        objects_before = len(gc.get_objects())
+        tracemalloc.start()
+        tracemalloc.reset_peak()
+        start_current, _ = tracemalloc.get_traced_memory()
+        for _ in range(iterations):
+            step(model, x)
+        current, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        gc.collect()
+        rows.append([patched, peak - start_current, current - start_current, len(gc.get_objects()) - objects_before, rss_bytes()])
+    torch_fsdp_ext.uninstall()
+    return rows
+
+
+# -- init -----------------------------------------------------------------------------
+
+
+def measure_init(fraction_bf16: float, dim: int, layers: int) -> dict:
+    """Upcast by the plugin vs ``model.float()`` before ``fully_shard`` (the accelerate workaround)."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Sequential(nn.Linear(dim, dim), nn.LayerNorm(dim)) for _ in range(layers)))
+        for i, layer in enumerate(model):
+            if i < round(fraction_bf16 * layers):
+                layer[0].to(torch.bfloat16)
+        return model
+
+    def shard(model: nn.Module) -> float:
+        start = time.perf_counter()
+        for layer in model:
+            fully_shard(layer, mp_policy=BF16)
+        fully_shard(model, mp_policy=BF16)
+        return time.perf_counter() - start
+
+    def local_bytes(model: nn.Module) -> int:
+        return sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
+
+    out = {}
+    torch_fsdp_ext.uninstall()
+    model = build()
+    bf16_elements = sum(p.numel() for p in model.parameters() if p.dtype == torch.bfloat16)
+    start = time.perf_counter()
+    model.float()
+    out["workaround_s"] = time.perf_counter() - start + shard(model)
+    out["workaround_bytes"] = local_bytes(model)
+    torch_fsdp_ext.install(["dtype"])
+    model = build()
+    out["plugin_s"] = shard(model)
+    out["plugin_bytes"] = local_bytes(model)
+    torch_fsdp_ext.uninstall()
+    model = build()
+    shard(model)
+    out["unpatched_bytes"] = local_bytes(model)  # bf16 stays bf16 (would assert at forward)
+    world = dist.get_world_size()
+    out["expected_added"] = sum(  # 2 extra bytes per upcast bf16 element of this rank's shards
+        2 * p.to_local().numel() for p in model.parameters() if p.dtype == torch.bfloat16
+    )
+    out["bf16_elements"] = bf16_elements
+    out["world"] = world
+    return out
+
+
+# -- scaling (fake process group) -------------------------------------------------------
+
+
+def measure_scaling(world_sizes: list[int], reps: int) -> list[list]:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    rows = []
+    for world in world_sizes:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        torch_fsdp_ext.install()
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), nn.LayerNorm(4)) for _ in range(4)))
+        for layer in model:
+            fully_shard(layer, mp_policy=BF16)
+        fully_shard(model, mp_policy=BF16)
+        decisions = sorted(n for n, p in model.named_parameters() if p.dtype == torch.float32)
+        empty_shards = sum(1 for p in model.parameters() if p.to_local().numel() == 0)
+        x = torch.randn(2, 32)
+        timing = {}
+        for patched in (False, True):
+            stack = build_stack(8, checkpointed=False, patched=patched)
+            timed_steps(stack, x, 2)
+            timing[patched] = statistics.median(timed_steps(stack, x, reps))
+        rows.append([world, len(decisions), empty_shards, timing[False] * 1e3, timing[True] * 1e3,
+                     timing[True] / timing[False], tuple(decisions)])
+        torch_fsdp_ext.uninstall()
+    dist.destroy_process_group()
+    return rows
+
+
+# -- driver ------------------------------------------------------------------------------
+
+
+def run_rank(rank: int, world: int, init_file: str, args: argparse.Namespace, result_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    results = measure_overhead(args.sizes, args.rounds, args.reps)
+    if rank == 0:
+        torch.save(results, result_file)
+    dist.destroy_process_group()
+
+
+def overhead_section(args: argparse.Namespace) -> bool:
+    import torch.multiprocessing as mp
+
+    ok = True
+    for world in (1, 2):
+        with tempfile.TemporaryDirectory() as tmp:
+            result_file = os.path.join(tmp, "result.pt")
+            mp.start_processes(run_rank, args=(world, os.path.join(tmp, "init"), args, result_file),
+                               nprocs=world, start_method="spawn")
+            results = torch.load(result_file)
+        rows, section_ok = overhead_rows(results)
+        ok &= section_ok
+        print(f"\nHook overhead, world size {world} (gloo, CPU, torch {torch.__version__}): "
+              f"median forward+backward step, {args.rounds}x{args.reps} steps each, alternating")
+        print(table(["blocks", "ckpt", "unpatched ms", "patched ms", "ratio", "µs/fwd", "bound"], rows))
+    return ok
+
+
+def memory_section(args: argparse.Namespace) -> bool:
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        rows = measure_memory(args.iterations)
+        dist.destroy_process_group()
+    (_, base_peak, base_growth, base_objects, base_rss), (_, peak, growth, objects, rss) = rows
+    ratio = (rss / base_rss) if base_rss else 1.0
+    print(f"\nMemory, {args.iterations} checkpointed iterations of 8 blocks (world size 1):")
+    print(table(["", "py peak B", "py growth B", "live objects +", "RSS MiB"], [
+        ["unpatched", base_peak, base_growth, base_objects, f"{base_rss / 2**20:.1f}"],
+        ["patched", peak, growth, objects, f"{rss / 2**20:.1f}"],
+    ]))
+    print(f"RSS ratio {ratio:.4f} (bound {BOUND_MEMORY_RATIO}); live-object growth patched {objects} (bound 0)")
+    return ratio <= BOUND_MEMORY_RATIO and objects <= 0
+
+
+def init_section(args: argparse.Namespace) -> bool:
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        r = measure_init(args.fraction, args.dim, args.layers)
+        dist.destroy_process_group()
+    added = r["plugin_bytes"] - r["unpatched_bytes"]
+    print(f"\nInit cost of the upcast: {args.layers} layers of Linear({args.dim}) + LayerNorm, "
+          f"{args.fraction:.0%} of layers bf16 ({r['bf16_elements']} bf16 elements), world size {r['world']}")
+    print(table(["", "init s", "shard bytes"], [
+        ["model.float() + fully_shard", f"{r['workaround_s']:.4f}", r["workaround_bytes"]],
+        ["plugin (upcast in hook)", f"{r['plugin_s']:.4f}", r["plugin_bytes"]],
+    ]))
+    print(f"bytes added {added} = expected {r['expected_added']} (2 per upcast bf16 element of the local shards); "
+          f"time ratio plugin/workaround {r['plugin_s'] / r['workaround_s']:.3f} (bound 1.0 + 5% noise)")
+    return added == r["expected_added"] and r["plugin_bytes"] == r["workaround_bytes"] and r["plugin_s"] <= 1.05 * r["workaround_s"]
+
+
+def scaling_section(args: argparse.Namespace) -> bool:
+    rows = measure_scaling(args.worlds, args.reps)
+    print("\nScaling simulation (fake process group, one process plays rank 0):")
+    print(table(["world", "upcast params", "empty shards", "unpatched ms", "patched ms", "ratio"],
+                [r[:3] + [f"{r[3]:.3f}", f"{r[4]:.3f}", f"{r[5]:.3f}"] for r in rows]))
+    same_decisions = len({r[6] for r in rows}) == 1
+    ratios = [r[5] for r in rows]
+    print(f"same upcast decisions at every world size: {same_decisions}; "
+          f"patched/unpatched ratio spread {max(ratios) - min(ratios):.3f}")
+    return same_decisions
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("section", choices=["all", "overhead", "memory", "init", "scaling"])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, bounds reported but not enforced")
+    args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.rounds, args.reps, args.iterations = [8], 2, 3, 20
+        args.fraction, args.dim, args.layers, args.worlds = 0.5, 64, 4, [8, 128]
+    else:
+        args.sizes, args.rounds, args.reps, args.iterations = [8, 32, 128], 10, 10, 1000
+        args.fraction, args.dim, args.layers, args.worlds = 0.5, 1024, 16, [8, 128, 1024]
+    sections = {"overhead": overhead_section, "memory": memory_section, "init": init_section, "scaling": scaling_section}
+    chosen = list(sections) if args.section == "all" else [args.section]
+    print(f"torch {torch.__version__}, torch_fsdp_ext {torch_fsdp_ext.__version__}, {os.cpu_count()} CPUs")
+    ok = all([sections[name](args) for name in chosen])
+    print("\nall bounds met" if ok else "\nBOUND MISSED")
+    return 0 if ok or args.quick else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
