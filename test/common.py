@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import unittest
 from typing import Iterator
 
 import torch
@@ -24,6 +25,14 @@ from torch_fsdp_ext import _compat
 common_distributed.TIMEOUT_DEFAULT = int(os.environ.get("TORCH_FSDP_EXT_TEST_TIMEOUT", "120"))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# tools/upstream/check.py runs the behaviour tests against a torch patched with the upstream
+# prototype, with the plugin switched off: plugin(True) then installs nothing, and tests of
+# the plugin's own machinery are skipped.
+UPSTREAM_ONLY = os.environ.get("TORCH_FSDP_EXT_TESTS_UPSTREAM_ONLY") == "1"
+plugin_specific = unittest.skipIf(UPSTREAM_ONLY, "tests the plugin itself; the plugin is off in upstream-only runs")
+if UPSTREAM_ONLY:
+    assert not any(fix.active for fix in torch_fsdp_ext.status().fixes.values()), "set TORCH_FSDP_EXT_DISABLE=1"
 
 # What torch release we run on, by probing (same answers the plugin uses).
 HAS_DTYPE_BUG = bool(_compat.probe_rejects_mixed_trainable_dtypes())
@@ -64,6 +73,9 @@ class FSDPExtTestCase(MultiProcessTestCase):
 @contextlib.contextmanager
 def plugin(enabled: bool, **install_kwargs) -> Iterator[None]:
     """Run a block with every fix installed, or with none; restores the previous state."""
+    if UPSTREAM_ONLY:
+        yield
+        return
     before = [name for name, fix in torch_fsdp_ext.status().fixes.items() if fix.active]
     torch_fsdp_ext.uninstall()
     if enabled:

@@ -28,6 +28,7 @@ from common import (
     full_params,
     lm_loss,
     plugin,
+    plugin_specific,
     seed_000_model,
     shard_model,
 )
@@ -163,6 +164,7 @@ class TestIdentityAndLateChanges(FSDPExtTestCase):
             self.assertEqual(model.layers[0].w1.weight.dtype, torch.float32)
             self.assertTrue(all(torch.isfinite(loss) for loss in losses))
 
+    @plugin_specific
     def test_module_sharded_before_install(self):
         torch_fsdp_ext.uninstall()
         try:
@@ -210,6 +212,7 @@ class TestSkipRules(FSDPExtTestCase):
             self.assertEqual(model[0].bias.dtype, torch.float32)  # sharded with the fp32 group
             self.assertEqual(ignored.dtype, torch.bfloat16)
 
+    @plugin_specific
     def test_trainable_float8_param_gives_an_error_that_names_it(self):
         if not hasattr(torch, "float8_e4m3fn"):
             self.skipTest("no float8 dtypes")
@@ -242,6 +245,7 @@ Fix: parameters that must not be cast need one dtype per group: freeze them (req
 
 
 class TestStrategiesAndMessages(FSDPExtTestCase):
+    @plugin_specific
     def test_error_strategy_names_every_parameter(self):
         with plugin(True, dtype_strategy="error"):
             model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), RMSNorm(4))
@@ -259,6 +263,7 @@ torch_fsdp_ext: FSDP2 param group '<root>' needs one dtype for its trainable par
 Fix: install the plugin with dtype_strategy='upcast' to keep fp32 master weights, or cast these parameters to one dtype before fully_shard (e.g. model.float()), or freeze them (requires_grad_(False)).""",
         )
 
+    @plugin_specific
     def test_no_mixed_precision_warns_and_names_the_parameters(self):
         with plugin(True), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -270,6 +275,7 @@ Fix: install the plugin with dtype_strategy='upcast' to keep fp32 master weights
         self.assertIn("Sequential:0.weight (bfloat16), Sequential:0.bias (bfloat16)", messages[0])
         self.assertIn("MixedPrecisionPolicy(param_dtype=torch.bfloat16)", messages[0])
 
+    @plugin_specific
     def test_upcast_is_logged_with_fqns_and_bytes(self):
         with plugin(True), self.assertLogs("torch_fsdp_ext", level=logging.INFO) as logs:
             model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), RMSNorm(4))
@@ -278,6 +284,7 @@ Fix: install the plugin with dtype_strategy='upcast' to keep fp32 master weights
         self.assertIn("upcast 2 trainable parameter(s)", logs.output[0])
         self.assertIn("+40 bytes before sharding", logs.output[0])
 
+    @plugin_specific
     def test_ranks_that_disagree_get_a_clear_error(self):
         with plugin(True):
             model = nn.Sequential(nn.Linear(4, 4), RMSNorm(4))
@@ -289,6 +296,7 @@ Fix: install the plugin with dtype_strategy='upcast' to keep fp32 master weights
         self.assertIn("ranks disagree", str(caught.exception))
         self.assertIn("0.weight: rank 0: torch.float32, rank 1: torch.bfloat16", str(caught.exception))
 
+    @plugin_specific
     def test_releases_whose_check_counts_frozen_params(self):
         """Simulates torch 2.5's check (frozen params counted) to test the trainable-only path."""
         with plugin(True):

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import CheckpointError, checkpoint
 import torch_fsdp_ext
 from torch_fsdp_ext import _compat
 
-from common import HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, error_text, plugin
+from common import HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, error_text, plugin, plugin_specific
 
 DIM = 16
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -263,6 +263,7 @@ class TestMixedPrecisionVariants(RecomputeTestCase):
         self.check_flavour(lambda _: sharded(MLPBlock(), policy), checkpoint_whole, autocast=True, fails_without_plugin=False)
 
 
+@plugin_specific
 class TestReplayMechanics(RecomputeTestCase):
     WORLD_SIZE = 1
 

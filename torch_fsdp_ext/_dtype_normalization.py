@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import _compat
-from ._patching import PatchSet
+from ._patching import PatchSet, wraps
 
 logger = logging.getLogger("torch_fsdp_ext")
 
@@ -176,7 +176,7 @@ class DtypeNormalization:
     def _wrap_init(self, original: Callable) -> Callable:
         fix = self
 
-        @functools.wraps(original)
+        @wraps(original)
         def __init__(group: Any, *args: Any, **kwargs: Any) -> None:
             if fix.active and fix.strategy == "upcast":
                 bound = _compat.bind_param_group_init(original, (group, *args), kwargs)
@@ -206,7 +206,7 @@ class DtypeNormalization:
     def _wrap_init_mp_dtypes(self, original: Callable) -> Callable:
         fix = self
 
-        @functools.wraps(original)
+        @wraps(original)
         def _init_mp_dtypes(group: Any) -> None:
             if not fix.active:
                 return original(group)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -22,6 +23,16 @@ class _HookPatch:
     hook_id: int
     original: Any
     replacement: Any
+
+
+def wraps(original: Callable) -> Callable[[Callable], Callable]:
+    """``functools.wraps`` without copying ``original.__dict__``.
+
+    Note: torch marks some of the wrapped methods with dynamo attributes
+    (``_torchdynamo_orig_callable``, ...); copying them onto our wrapper would let
+    a compiler skip straight to the unwrapped original.
+    """
+    return functools.wraps(original, updated=())
 
 
 class PatchSet:

@@ -34,7 +34,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from . import _compat
-from ._patching import PatchSet
+from ._patching import PatchSet, wraps
 
 
 class ForwardContext(NamedTuple):
@@ -185,14 +185,17 @@ class RecomputeReplay:
         frames = self.frames
         fix = self
 
-        @functools.wraps(original)
+        device_types = _autocast_device_types()
+        is_recompute = frame_type is _RecomputeFrame
+
+        @wraps(original)
         def __enter__(hook: Any) -> Any:
             result = original(hook)
             frame = _compat.checkpoint_hook_frame(hook)
             if fix.active and frame is not None:
                 entry = frame_type(frame)
-                if frame_type is _RecomputeFrame:
-                    entry.autocast_on_entry = _autocast_snapshot()
+                if is_recompute:
+                    entry.autocast_on_entry = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types}
                 hook._torch_fsdp_ext_entry = entry
                 frames.stack.append(entry)
             return result
@@ -202,7 +205,7 @@ class RecomputeReplay:
     def _wrap_exit(self, original: Callable) -> Callable:
         frames = self.frames
 
-        @functools.wraps(original)
+        @wraps(original)
         def __exit__(hook: Any, *exc_info: Any) -> Any:
             entry = hook.__dict__.pop("_torch_fsdp_ext_entry", None)
             if entry is not None:
@@ -224,7 +227,7 @@ class RecomputeReplay:
         fix = self
         pre_backward = self.internals.TrainingState.PRE_BACKWARD
 
-        @functools.wraps(original)
+        @wraps(original)
         def _pre_forward(state: Any, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             stack = frames.stack
             if not stack or not fix.active:
@@ -251,7 +254,7 @@ class RecomputeReplay:
         frames = self.frames
         fix = self
 
-        @functools.wraps(original)
+        @wraps(original)
         def _post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
             stack = frames.stack
             if not stack:
@@ -311,7 +314,7 @@ class RecomputeReplay:
 
 
 def _remember_frame(original: Callable) -> Callable:
-    @functools.wraps(original)
+    @wraps(original)
     def __init__(hook: Any, frame: Any, *args: Any, **kwargs: Any) -> None:
         original(hook, frame, *args, **kwargs)
         hook._torch_fsdp_ext_frame = frame
@@ -320,7 +323,7 @@ def _remember_frame(original: Callable) -> Callable:
 
 
 def _remember_frame_ref(original: Callable) -> Callable:
-    @functools.wraps(original)
+    @wraps(original)
     def __init__(hook: Any, target_frame_ref: Any, *args: Any, **kwargs: Any) -> None:
         original(hook, target_frame_ref, *args, **kwargs)
         hook._torch_fsdp_ext_frame = target_frame_ref()
@@ -335,15 +338,13 @@ def _innermost_recompute(stack: list) -> _RecomputeFrame | None:
     return None
 
 
-def _autocast_snapshot() -> dict[str, tuple[bool, torch.dtype]]:
-    device_types = ["cpu"]
+def _autocast_device_types() -> tuple[str, ...]:
+    """CPU and this machine's accelerator: the autocast states a recomputation may need restored."""
     accelerator = getattr(torch, "accelerator", None)
     current = accelerator.current_accelerator() if accelerator is not None else None
     if current is not None:
-        device_types.append(current.type)
-    elif torch.cuda.is_available():
-        device_types.append("cuda")
-    return {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types}
+        return ("cpu", current.type)
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 def _unwind(entry: _RecomputeFrame) -> None:
