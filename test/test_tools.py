@@ -1,0 +1,49 @@
+"""The scripts in tools/ run end to end on CPU (their GPU runs need a machine this suite never has)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, ROOT
+
+
+def run_tool(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+class TestTools(TestCase):
+    def test_recompute_cases_on_cpu(self):
+        result = run_tool("tools/recompute_cases.py")
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        lines = {line[:32].strip(): line for line in result.stdout.splitlines()}
+        self.assertIn("all cases ok with the plugin", result.stdout)
+        fsdp2_seed = lines["seed script, FSDP2"].split()
+        self.assertEqual(fsdp2_seed[-2:], ["CheckpointError", "ok"] if HAS_RECOMPUTE_CAST_BUG else ["ok", "ok"])
+        self.assertIn("n/a on CPU", lines["seed script, FSDP1"])  # FSDP1 needs an accelerator
+        self.assertIn("n/a on CPU", lines["2 root, CPU inputs"])
+
+    def test_gpu_bench_tiny(self):
+        result = run_tool("tools/gpu_bench.py", "--tiny")
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        setups = ("(a) workarounds, no plugin", "(b) plugin, no workaround", "(c) needs nothing, no plugin",
+                  "(c) needs nothing, plugin")
+        rows = {line[:30].strip(): line.split() for line in result.stdout.splitlines() if line[:30].strip() in setups}
+        self.assertEqual(len(rows), 4, result.stdout)
+        # (a) and (b) both train fp32 master weights with bf16 compute from the same init: same loss.
+        self.assertEqual(rows["(a) workarounds, no plugin"][-1], rows["(b) plugin, no workaround"][-1])
+
+    def test_cpu_benchmarks_quick(self):
+        result = run_tool("tools/bench_cpu.py", "all", "--quick")
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertIn("same upcast decisions at every world size: True", result.stdout)
+        if HAS_DTYPE_BUG:
+            self.assertRegex(result.stdout, r"bytes added (\d+) = expected \1 ")
+
+
+if __name__ == "__main__":
+    run_tests()
