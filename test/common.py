@@ -20,6 +20,11 @@ from torch.testing._internal.common_distributed import MultiProcessTestCase
 import torch_fsdp_ext
 from torch_fsdp_ext import _compat
 
+# The public FSDP2 API wherever this release exports it (torch.distributed.fsdp from 2.6).
+CPUOffloadPolicy = _compat.fsdp2_api().CPUOffloadPolicy
+MixedPrecisionPolicy = _compat.fsdp2_api().MixedPrecisionPolicy
+fully_shard = _compat.fsdp2_api().fully_shard
+
 # Note: a distributed test that hangs (a collective one rank never joins) must fail,
 # not stall CI; torch's default join timeout is 300 s per test.
 common_distributed.TIMEOUT_DEFAULT = int(os.environ.get("TORCH_FSDP_EXT_TEST_TIMEOUT", "120"))
@@ -167,8 +172,6 @@ def seed_000_model(seed: int = 0, **kwargs) -> TinyLlama:
 
 
 def shard_model(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
     for layer in model.layers:
         fully_shard(layer, **fully_shard_kwargs)
     fully_shard(model, **fully_shard_kwargs)

@@ -6,14 +6,13 @@ import textwrap
 import types
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
 from torch_fsdp_ext import _compat
 
-from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, run_python
+from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, MixedPrecisionPolicy, fully_shard, run_python
 
 
 def patched_attributes() -> dict[tuple[str, str], object]:
@@ -126,14 +125,15 @@ class TestFreshInterpreter(TestCase):
 
         with tempfile.TemporaryDirectory() as tmp:
             env = {"INIT_FILE": f"{tmp}/init", **(env or {})}
-            result = run_python(self.SEEDS + textwrap.dedent(body), env=env)
+            code = self.SEEDS + textwrap.dedent(body).replace("FSDP2_API", _compat.fsdp2_api().__name__)
+            result = run_python(code, env=env)
         self.assertEqual(result.returncode, 0, result.stderr)
         return result.stdout.strip()
 
     def test_fully_shard_imported_before_the_plugin(self):
         out = self.run_case(
             """
-            from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+            from FSDP2_API import fully_shard, MixedPrecisionPolicy
             import torch_fsdp_ext
             print(outcome(run_mixed, mixed_dtypes(fully_shard, MixedPrecisionPolicy)),
                   outcome(run_checkpointed, checkpointed(fully_shard, MixedPrecisionPolicy)))
@@ -144,7 +144,7 @@ class TestFreshInterpreter(TestCase):
     def test_fully_shard_called_before_install(self):
         out = self.run_case(
             """
-            from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+            from FSDP2_API import fully_shard, MixedPrecisionPolicy
             import torch_fsdp_ext
             mixed, ckpt = mixed_dtypes(fully_shard, MixedPrecisionPolicy), checkpointed(fully_shard, MixedPrecisionPolicy)
             torch_fsdp_ext.install()
@@ -159,7 +159,7 @@ class TestFreshInterpreter(TestCase):
         out = self.run_case(
             """
             import torch_fsdp_ext
-            from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+            from FSDP2_API import fully_shard, MixedPrecisionPolicy
             print([n for n, f in torch_fsdp_ext.status().fixes.items() if f.active],
                   outcome(run_mixed, mixed_dtypes(fully_shard, MixedPrecisionPolicy)))
             """,
@@ -178,7 +178,7 @@ class TestFreshInterpreter(TestCase):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 first, second = torch_fsdp_ext.install(), torch_fsdp_ext.install()
-            from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+            from FSDP2_API import fully_shard, MixedPrecisionPolicy
             print(first, second, len(caught), torch_fsdp_ext.status().supported,
                   outcome(run_mixed, mixed_dtypes(fully_shard, MixedPrecisionPolicy)))
             print(caught[0].message)

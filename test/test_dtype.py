@@ -10,7 +10,6 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.testing._internal.common_utils import run_tests
 
 import torch_fsdp_ext
@@ -18,6 +17,9 @@ from torch_fsdp_ext import MixedParamDtypeError, _compat
 from torch_fsdp_ext._dtype_normalization import cast_exclusion_reason
 
 from common import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    fully_shard,
     HAS_DTYPE_BUG,
     FSDPExtTestCase,
     RMSNorm,
@@ -337,8 +339,6 @@ class TestComposition(FSDPExtTestCase):
             torch.testing.assert_close(torch.stack(other), torch.stack(results[0]), rtol=0, atol=0)
 
     def test_cpu_offload(self):
-        from torch.distributed.fsdp import CPUOffloadPolicy
-
         with plugin(True):
             pin = torch.cuda.is_available()
             model, _ = self._train_seed_model(offload_policy=CPUOffloadPolicy(pin_memory=pin))

@@ -9,14 +9,13 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.testing._internal.common_utils import run_tests
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 import torch_fsdp_ext
 from torch_fsdp_ext import _compat
 
-from common import HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, error_text, plugin, plugin_specific
+from common import HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, MixedPrecisionPolicy, error_text, fully_shard, plugin, plugin_specific
 
 DIM = 16
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -27,10 +27,12 @@ os.environ.setdefault("TORCH_FSDP_EXT_DISABLE", "1")  # each section installs ex
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
+from torch_fsdp_ext._compat import fsdp2_api
+
+fully_shard, MixedPrecisionPolicy = fsdp2_api().fully_shard, fsdp2_api().MixedPrecisionPolicy
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 BOUND_RATIO = 1.03

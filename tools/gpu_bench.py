@@ -30,10 +30,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
+from torch_fsdp_ext._compat import fsdp2_api
+
+fully_shard, MixedPrecisionPolicy = fsdp2_api().fully_shard, fsdp2_api().MixedPrecisionPolicy
 
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 BOUND = 1.01

@@ -71,8 +71,10 @@ def measure(release: str, keep_venv: bool) -> str:
         notes += [f"FAILED {name}" for name in failed[:5]]
         dtype_repro, dtype_fixed = doctor_cells(doctor.stdout, "dtype")
         recompute_repro, recompute_fixed = doctor_cells(doctor.stdout, "recompute")
-        if "unsupported torch" in doctor.stdout:
-            notes.append(next(line for line in doctor.stdout.splitlines() if line.startswith("unsupported torch")))
+        notes += [
+            line for line in doctor.stdout.splitlines()
+            if line.startswith(("unsupported torch", "self-test not run"))
+        ]
         return (
             f"| {release} | {dtype_repro} | {dtype_fixed} | {recompute_repro} | {recompute_fixed} "
             f"| {test_counts(tests.stdout)} | {time.monotonic() - start:.0f} s | {'; '.join(notes)} |"

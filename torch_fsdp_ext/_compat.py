@@ -117,6 +117,15 @@ def load_internals() -> TorchInternals:
     return internals
 
 
+def fsdp2_api() -> types.ModuleType:
+    """The public module that exports ``fully_shard`` and its policies on this release."""
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):  # >= 2.6, 2.5
+        module = importlib.import_module(name)
+        if hasattr(module, "fully_shard"):
+            return module
+    raise ImportError("this torch has no FSDP2 (fully_shard)")
+
+
 def symbol_names(internals: TorchInternals, names: tuple[str, ...]) -> list[str]:
     """Human-readable ``module.Class.method`` names for the status report."""
     out = []

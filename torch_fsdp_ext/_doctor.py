@@ -41,7 +41,7 @@ def choose_backend(world_size: int) -> Backend:
 
 def _mixed_dtype_scenario(device: torch.device) -> None:
     """Seed 000: bf16 linears with an fp32 norm in one group, bf16 compute, a tiny SGD step."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    fully_shard, MixedPrecisionPolicy = _compat.fsdp2_api().fully_shard, _compat.fsdp2_api().MixedPrecisionPolicy
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)).to(device)
@@ -68,8 +68,9 @@ class _SeedModule(nn.Module):
 
 def _recompute_scenario(device: torch.device) -> None:
     """Seed 004: checkpoint(fully_shard module) under autocast; grads must match no checkpoint."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.utils.checkpoint import checkpoint
+
+    fully_shard, MixedPrecisionPolicy = _compat.fsdp2_api().fully_shard, _compat.fsdp2_api().MixedPrecisionPolicy
 
     grads = []
     for checkpointed in (False, True):
@@ -83,6 +84,12 @@ def _recompute_scenario(device: torch.device) -> None:
         grads.append(x.grad)
     if not torch.equal(grads[0], grads[1]):
         raise ValueError("wrong result: gradients differ from the run without checkpointing")
+
+
+def _baseline_scenario(device: torch.device) -> None:
+    """Plain FSDP2 with nothing to fix: if this fails, FSDP2 itself cannot run here."""
+    model = _compat.fsdp2_api().fully_shard(nn.Linear(4, 4).to(device))
+    model(torch.randn(2, 4, device=device)).sum().backward()
 
 
 SCENARIOS = {"dtype": _mixed_dtype_scenario, "recompute": _recompute_scenario}
@@ -104,7 +111,14 @@ def _rank_main(rank: int, backend: Backend, init_file: str, result_file: str) ->
     dist.init_process_group(backend.name, init_method=f"file://{init_file}", rank=rank, world_size=backend.world_size)
     results = {}
     try:
+        uninstall()
+        try:
+            _baseline_scenario(device)
+        except Exception as e:  # noqa: BLE001
+            results["baseline"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         for name, fn in SCENARIOS.items():
+            if "baseline" in results:
+                break
             uninstall()
             without = _outcome(fn, device)
             install()
@@ -194,6 +208,9 @@ def doctor(world_size: int = 2) -> int:
     if "error" in outcomes:
         print(f"self-test could not run:\n{outcomes['error']}")
         return 1
+    if "baseline" in outcomes:
+        print(f"self-test not run: FSDP2 itself fails on {backend.device_type} with this torch ({outcomes['baseline']})")
+        return 0
     rows, healthy = fix_rows(report, outcomes)
     print(format_table(rows))
     return 0 if healthy else 1
