@@ -391,6 +391,27 @@ class TestComposition(FSDPExtTestCase):
                 self.assertTrue(torch.equal(mine[name], theirs[name]), name)
 
 
+class TestHSDP(FSDPExtTestCase):
+    WORLD_SIZE = 4
+
+    def test_hsdp_2d_mesh_matches_reference(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(self.device.type, (2, 2), mesh_dim_names=("replicate", "shard"))
+        with plugin(True):
+            model = shard_model(seed_000_model(), mp_policy=MP, mesh=mesh)
+            master = seed_000_model().float()
+            tokens = batch(self.rank)
+            loss = lm_loss(model(tokens), tokens)
+            loss.backward()
+            ref_losses = bf16_compute_reference(master, [batch(r) for r in range(self.world_size)])
+        torch.testing.assert_close(loss.detach(), ref_losses[self.rank], rtol=0, atol=0)
+        grads = full_grads(model)
+        for name, param in master.named_parameters():
+            self.assertEqual(model.get_parameter(name).dtype, torch.float32)
+            torch.testing.assert_close(grads[name], param.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
 class TestWorldSizeOne(FSDPExtTestCase):
     WORLD_SIZE = 1
 

@@ -260,11 +260,6 @@ def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
     return (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
 
 
-def checkpoint_hook_frame(hook: Any) -> Any:
-    """The ``_CheckpointFrame`` a ``_checkpoint_hook`` or ``_recomputation_hook`` serves."""
-    return hook.__dict__.get("_torch_fsdp_ext_frame")
-
-
 def current_graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 

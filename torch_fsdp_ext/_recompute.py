@@ -191,7 +191,7 @@ class RecomputeReplay:
         @wraps(original)
         def __enter__(hook: Any) -> Any:
             result = original(hook)
-            frame = _compat.checkpoint_hook_frame(hook)
+            frame = hook.__dict__.get("_torch_fsdp_ext_frame")  # set by _remember_frame(_ref)
             if fix.active and frame is not None:
                 entry = frame_type(frame)
                 if is_recompute:
