@@ -227,6 +227,20 @@ class TestAlreadyShardedModules(FSDPExtTestCase):
                 self.assertIs(now[key], hook)
         torch_fsdp_ext.install()
 
+    def test_grouped_modules_sharded_before_install_are_reported(self):
+        torch_fsdp_ext.uninstall()
+        try:
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+            try:
+                fully_shard([model[0], model[1]])
+            except TypeError:
+                self.skipTest("this torch has no grouped fully_shard")
+            torch_fsdp_ext.install()
+            not_covered = torch_fsdp_ext.status().fixes["recompute"].details["not_covered"]
+            self.assertEqual(not_covered, ["grouped fully_shard([FSDPLinear, FSDPLinear]) sharded before install()"])
+        finally:
+            torch_fsdp_ext.install()
+
     def test_modules_sharded_while_installed_pass_through_after_uninstall(self):
         torch_fsdp_ext.install()
         model = torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(8, 8))

@@ -106,7 +106,6 @@ class RecomputeReplay:
         self.upstream_casts_outputs = bool(_compat.probe_recompute_casts_outputs())
         self.upstream_moves_inputs = bool(_compat.probe_recompute_moves_inputs())
         self.not_covered: list[str] = []
-        self._patches: PatchSet | None = None
 
     # -- what this release needs -----------------------------------------------
 
@@ -147,7 +146,6 @@ class RecomputeReplay:
         patches.wrap(internals.recomputation_hook, "__exit__", self._wrap_exit)
         patches.wrap(internals.FSDPState, "_pre_forward", self._wrap_pre_forward)
         patches.wrap(internals.FSDPState, "_post_forward", self._wrap_post_forward)
-        self._patches = patches
         self.active = True
         self.rebind_existing_hooks(patches)
 
