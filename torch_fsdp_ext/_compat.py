@@ -165,6 +165,12 @@ def group_process_group(group: Any) -> Any:
     return group._all_gather_process_group
 
 
+def param_mp_policy(group: Any, fsdp_param: Any) -> Any:
+    """The ``MixedPrecisionPolicy`` of one parameter: per ``FSDPParam`` from 2.15, per group before."""
+    policy = getattr(fsdp_param, "mp_policy", None)
+    return policy if policy is not None else group.mp_policy
+
+
 def fsdp_param_fqn(fsdp_param: Any) -> str | None:
     return getattr(fsdp_param, "_param_fqn", None)
 

@@ -197,7 +197,7 @@ class DtypeNormalization:
         if not plan.casts or plan.conflicts:
             return  # nothing to do, or an error that lazy init reports with full FQNs
         group_name = ", ".join(type(m).__name__ for m in modules)
-        self._report(group_name, plan, mp_policy, f"{plan.added_bytes} bytes before sharding")
+        self._report(group_name, plan, mp_policy.param_dtype is None, f"{plan.added_bytes} bytes before sharding")
         for p in plan.casts:
             p.handle.data = p.handle.data.to(plan.target)
 
@@ -233,18 +233,19 @@ class DtypeNormalization:
             _compat.local_shard_nbytes(p.handle) // p.tensor.dtype.itemsize * (plan.target.itemsize - p.tensor.dtype.itemsize)
             for p in plan.casts
         )
-        self._report(repr(group_name), plan, group.mp_policy, f"{added} bytes on this rank's shards")
+        computes_in_target = any(_compat.param_mp_policy(group, p.handle).param_dtype is None for p in plan.casts)
+        self._report(repr(group_name), plan, computes_in_target, f"{added} bytes on this rank's shards")
         for p in plan.casts:
             _compat.change_sharded_param_dtype(p.handle, plan.target)
 
-    def _report(self, group_name: str, plan: UniformDtypePlan, mp_policy: Any, added: str) -> None:
+    def _report(self, group_name: str, plan: UniformDtypePlan, computes_in_target: bool, added: str) -> None:
         casts = ", ".join(f"{p.name} ({_format_dtype(p.tensor.dtype)})" for p in plan.casts)
         logger.info(
             "torch_fsdp_ext: upcast %d trainable parameter(s) of FSDP2 group %s to %s for uniform "
             "fp32 master weights (+%s): %s",
             len(plan.casts), group_name, _format_dtype(plan.target), added, casts,
         )
-        if getattr(mp_policy, "param_dtype", None) is None:
+        if computes_in_target:
             warnings.warn(
                 f"torch_fsdp_ext: FSDP2 group {group_name} has no MixedPrecisionPolicy.param_dtype, so the "
                 f"parameters upcast to {_format_dtype(plan.target)} now also compute in "
@@ -296,4 +297,4 @@ class DtypeNormalization:
         finally:
             group.fsdp_params = everything
         for p in everything:
-            p.init_dtype_attrs(group.mp_policy)
+            p.init_dtype_attrs(_compat.param_mp_policy(group, p))
