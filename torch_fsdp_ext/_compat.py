@@ -206,9 +206,8 @@ def change_sharded_param_dtype(fsdp_param: Any, dtype: torch.dtype) -> None:
     fsdp_param.reset_sharded_param()
 
 
-def local_shard_nbytes(fsdp_param: Any) -> int:
-    local = fsdp_param.sharded_param._local_tensor
-    return local.numel() * local.element_size()
+def local_shard_numel(fsdp_param: Any) -> int:
+    return fsdp_param.sharded_param._local_tensor.numel()
 
 
 # ---------------------------------------------------------------------------

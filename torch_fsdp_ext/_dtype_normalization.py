@@ -71,9 +71,8 @@ class UniformDtypePlan:
     def conflicts(self) -> list[tuple[_Param, str]]:
         return [(p, why) for p, why in self.fixed if p.tensor.dtype != self.target]
 
-    @property
-    def added_bytes(self) -> int:
-        return sum(p.tensor.numel() * (self.target.itemsize - p.tensor.dtype.itemsize) for p in self.casts)
+    def added_bytes(self, numel: Callable[[_Param], int]) -> int:
+        return sum(numel(p) * (self.target.itemsize - p.tensor.dtype.itemsize) for p in self.casts)
 
 
 def cast_exclusion_reason(tensor: torch.Tensor) -> str | None:
@@ -197,7 +196,7 @@ class DtypeNormalization:
         if not plan.casts or plan.conflicts:
             return  # nothing to do, or an error that lazy init reports with full FQNs
         group_name = ", ".join(type(m).__name__ for m in modules)
-        self._report(group_name, plan, mp_policy.param_dtype is None, f"{plan.added_bytes} bytes before sharding")
+        self._report(group_name, plan, mp_policy.param_dtype is None, f"{plan.added_bytes(lambda p: p.tensor.numel())} bytes before sharding")
         for p in plan.casts:
             p.handle.data = p.handle.data.to(plan.target)
 
@@ -229,10 +228,7 @@ class DtypeNormalization:
         group_name = getattr(group, "_module_fqn", None) or "<root>"
         if self.strategy == "error" or plan.conflicts:
             raise MixedParamDtypeError(describe_mixed_dtypes(repr(group_name), plan, self.strategy))
-        added = sum(
-            _compat.local_shard_nbytes(p.handle) // p.tensor.dtype.itemsize * (plan.target.itemsize - p.tensor.dtype.itemsize)
-            for p in plan.casts
-        )
+        added = plan.added_bytes(lambda p: _compat.local_shard_numel(p.handle))
         computes_in_target = any(_compat.param_mp_policy(group, p.handle).param_dtype is None for p in plan.casts)
         self._report(repr(group_name), plan, computes_in_target, f"{added} bytes on this rank's shards")
         for p in plan.casts:
