@@ -14,6 +14,7 @@ world size 2, in lockstep on both ranks), so both see the same machine state.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -30,9 +31,12 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
+from torch_fsdp_ext import _compat
 from torch_fsdp_ext._compat import fsdp2_api
 
-fully_shard, MixedPrecisionPolicy = fsdp2_api().fully_shard, fsdp2_api().MixedPrecisionPolicy
+fully_shard, FSDPModule, MixedPrecisionPolicy = (
+    fsdp2_api().fully_shard, fsdp2_api().FSDPModule, fsdp2_api().MixedPrecisionPolicy
+)
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 BOUND_RATIO = 1.03
@@ -77,13 +81,19 @@ def step(model: nn.Module, x: torch.Tensor) -> None:
 
 
 def timed_steps(model: nn.Module, x: torch.Tensor, reps: int) -> list[float]:
+    """CPU seconds of each step.
+
+    Note: process CPU time, not wall time. On a shared machine a descheduled
+    process loses wall time to whatever else runs; CPU time only counts the work
+    this process did (torch and gloo threads included), which is what the hooks add to.
+    """
     times = []
     for _ in range(reps):
         if dist.is_initialized():
             dist.barrier()
-        start = time.perf_counter()
+        start = time.process_time()
         step(model, x)
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return times
 
 
@@ -104,13 +114,64 @@ def switch(state: str) -> None:
         torch_fsdp_ext.uninstall()
 
 
+@contextlib.contextmanager
+def time_inside_hooks(model: nn.Module):
+    """Yield a one-item list that accumulates the CPU seconds spent inside the hooks the plugin may wrap.
+
+    Note: whatever is installed at the time (torch's hooks, or the plugin's
+    wrappers around them) is timed by the same shim: FSDP's pre/post-forward
+    hook of every sharded module, and ``__init__``/``__enter__``/``__exit__`` of
+    checkpoint's saved-tensor hooks. Patched minus unpatched is then exactly what
+    the plugin adds around one module forward, without the rest of the step's
+    noise. Thread CPU time, so a rank waiting in a collective inside FSDP's
+    hook is not counted. Everything is put back by identity on exit.
+    """
+    spent = [0.0]
+
+    def timed(hook):
+        def shim(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                spent[0] += time.thread_time() - start
+
+        return shim
+
+    module_hooks = []
+    for module in model.modules():
+        state = fully_shard.state(module) if isinstance(module, FSDPModule) else None
+        for hooks, hook_id, _ in (_compat.forward_hook_slots(state) or []) if state is not None else []:
+            module_hooks.append((hooks, hook_id, hooks[hook_id]))
+            hooks[hook_id] = timed(hooks[hook_id])
+    internals = _compat.load_internals()
+    class_methods = []
+    for cls in (internals.checkpoint_hook, internals.recomputation_hook):
+        for name in ("__init__", "__enter__", "__exit__"):
+            class_methods.append((cls, name, cls.__dict__.get(name)))
+            setattr(cls, name, timed(getattr(cls, name)))
+    try:
+        yield spent
+    finally:
+        for cls, name, original in reversed(class_methods):
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+        for hooks, hook_id, original in module_hooks:
+            hooks[hook_id] = original
+
+
 def measure_overhead(sizes: list[int], rounds: int, reps: int) -> list[list]:
-    """Median step time unpatched vs patched, rounds of ``reps`` steps alternating between them.
+    """Step time unpatched vs patched, in rounds of ``reps`` steps alternating between them.
 
     Note: every state runs the *same* model (same objects, same memory): it is
     sharded unpatched, and ``install()`` re-binds its FSDP hooks (``uninstall()``
     restores them). The "control" state is unpatched but reached through the same
     install/uninstall switch, so unpatched-vs-control is the noise floor of the method.
+    Each round gives one ratio per state (its median step over the round's unpatched
+    median); the reported ratio is the median over rounds, so a slow spell of the
+    machine that spans one round does not tilt the result.
     """
     results = []
     x = torch.randn(8, 32)
@@ -119,29 +180,45 @@ def measure_overhead(sizes: list[int], rounds: int, reps: int) -> list[list]:
         for blocks in sizes:
             model = build_stack(blocks, checkpointed, patched=False)
             timed_steps(model, x, 3)  # lazy init, warm-up
-            times: dict[str, list[float]] = {state: [] for state in states}
-            for round_index in range(rounds):
-                # Alternate the order each round; untimed steps after each switch.
+            medians: dict[str, list[float]] = {state: [] for state in states}
+            hook_seconds: dict[str, list[float]] = {state: [] for state in states}
+            # Fewer rounds for the big models: their steps are long enough to average by themselves.
+            for round_index in range(max(rounds // 2, rounds * 32 // max(blocks, 32))):
+                # Alternate the order each round; one untimed step after each switch.
                 for state in states if round_index % 2 == 0 else states[::-1]:
                     switch(state)
-                    timed_steps(model, x, 2)
-                    times[state] += timed_steps(model, x, reps)
+                    step(model, x)
+                    medians[state].append(statistics.median(timed_steps(model, x, reps)))
+                    with time_inside_hooks(model) as spent:
+                        step(model, x)
+                    hook_seconds[state].append(spent[0])
             torch_fsdp_ext.uninstall()
-            base, ours, control = (statistics.median(times[state]) for state in states)
+            base = statistics.median(medians["unpatched"])
+            ratio, control = (
+                statistics.median(m / b for m, b in zip(medians[state], medians["unpatched"]))
+                for state in ("patched", "control")
+            )
             # FSDP module forwards per step: blocks + root, and the blocks again when recomputed.
             forwards = blocks + 1 + (blocks if checkpointed else 0)
-            results.append([blocks, checkpointed, base * 1e3, ours * 1e3, ours / base,
-                             (ours - base) / forwards * 1e6, control / base])
+            added_in_hooks = statistics.median(hook_seconds["patched"]) - statistics.median(hook_seconds["unpatched"])
+            results.append([blocks, checkpointed, base * 1e3, base * ratio * 1e3, ratio,
+                            base * (ratio - 1) / forwards * 1e6, added_in_hooks / forwards * 1e6, control])
     return results
 
 
 def overhead_rows(results: list[list]) -> tuple[list[list[str]], bool]:
+    """Bounds: the step ratio, and the added µs per module forward measured inside the hooks.
+
+    Note: the µs bound is checked on the in-hook measurement; the µs derived from
+    the whole-step ratio is printed next to it, but at 8 blocks one percent of
+    step noise is already tens of µs per forward.
+    """
     rows, ok = [], True
-    for blocks, checkpointed, base_ms, ours_ms, ratio, added_us, control in results:
-        within = ratio <= BOUND_RATIO and added_us <= BOUND_ADDED_US
+    for blocks, checkpointed, base_ms, ours_ms, ratio, step_us, hook_us, control in results:
+        within = ratio <= BOUND_RATIO and hook_us <= BOUND_ADDED_US
         ok &= within
         rows.append([blocks, "yes" if checkpointed else "no", f"{base_ms:.3f}", f"{ours_ms:.3f}", f"{ratio:.4f}",
-                     f"{added_us:+.2f}", f"{control:.4f}", "ok" if within else "MISSED"])
+                     f"{control:.4f}", f"{step_us:+.1f}", f"{hook_us:+.2f}", "ok" if within else "MISSED"])
     return rows, ok
 
 
@@ -282,8 +359,9 @@ def overhead_section(args: argparse.Namespace) -> bool:
         rows, section_ok = overhead_rows(results)
         ok &= section_ok
         print(f"\nHook overhead, world size {world} (gloo, CPU, torch {torch.__version__}): "
-              f"median forward+backward step, {args.rounds}x{args.reps} steps each, alternating")
-        print(table(["blocks", "ckpt", "unpatched ms", "patched ms", "ratio", "µs/fwd", "A/A ratio", "bound"], rows))
+              f"forward+backward step in CPU time, median over rounds of {args.reps} steps, alternating")
+        print(table(["blocks", "ckpt", "unpatched ms", "patched ms", "ratio", "A/A ratio", "µs/fwd (step)",
+                     "µs/fwd (in hooks)", "bound"], rows))
     return ok
 
 
@@ -341,7 +419,7 @@ def main() -> int:
         args.sizes, args.rounds, args.reps, args.iterations = [8], 2, 3, 20
         args.fraction, args.dim, args.layers, args.worlds = 0.5, 64, 4, [8, 128]
     else:
-        args.sizes, args.rounds, args.reps, args.iterations = [8, 32, 128], 8, 8, 1000
+        args.sizes, args.rounds, args.reps, args.iterations = [8, 32, 128], 10, 3, 1000
         args.fraction, args.dim, args.layers, args.worlds = 0.5, 1024, 16, [8, 128, 1024]
     sections = {"overhead": overhead_section, "memory": memory_section, "init": init_section, "scaling": scaling_section}
     chosen = list(sections) if args.section == "all" else [args.section]

@@ -50,12 +50,14 @@ class ForwardContext(NamedTuple):
 class _ForwardFrame:
     """A ``_checkpoint_hook`` that is active: the original forward of one region."""
 
-    __slots__ = ("records",)
+    __slots__ = ("hook", "records")
 
-    def __init__(self, frame: Any) -> None:
-        self.records: dict[tuple[Any, Any], list[ForwardContext]] = frame.__dict__.setdefault(
-            "_torch_fsdp_ext_records", {}
-        )
+    def __init__(self, hook: Any, frame: Any) -> None:
+        self.hook = hook
+        records = frame.__dict__.get("_torch_fsdp_ext_records")
+        if records is None:
+            records = frame.__dict__["_torch_fsdp_ext_records"] = {}
+        self.records: dict[tuple[Any, Any], list[ForwardContext]] = records
 
 
 class _Replay(NamedTuple):
@@ -67,9 +69,10 @@ class _Replay(NamedTuple):
 class _RecomputeFrame:
     """A ``_recomputation_hook`` that is active: one recomputation of one region."""
 
-    __slots__ = ("records", "cursor", "open", "autocast_on_entry")
+    __slots__ = ("hook", "records", "cursor", "open", "autocast_on_entry")
 
-    def __init__(self, frame: Any) -> None:
+    def __init__(self, hook: Any, frame: Any) -> None:
+        self.hook = hook
         self.records: dict[tuple[Any, Any], list[ForwardContext]] = frame.__dict__.get("_torch_fsdp_ext_records", {})
         self.cursor: dict[tuple[Any, Any], int] = {}
         self.open: list[_Replay] = []
@@ -182,7 +185,6 @@ class RecomputeReplay:
     def _wrap_enter(self, frame_type: type, original: Callable) -> Callable:
         frames = self.frames
         fix = self
-
         device_types = _autocast_device_types()
         is_recompute = frame_type is _RecomputeFrame
 
@@ -190,11 +192,12 @@ class RecomputeReplay:
         def __enter__(hook: Any) -> Any:
             result = original(hook)
             frame = hook.__dict__.get("_torch_fsdp_ext_frame")  # set by _remember_frame(_ref)
-            if fix.active and frame is not None:
-                entry = frame_type(frame)
+            if frame is not None and fix.active:
+                entry = frame_type(hook, frame)
                 if is_recompute:
-                    entry.autocast_on_entry = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types}
-                hook._torch_fsdp_ext_entry = entry
+                    entry.autocast_on_entry = {
+                        d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types
+                    }
                 frames.stack.append(entry)
             return result
 
@@ -205,14 +208,10 @@ class RecomputeReplay:
 
         @wraps(original)
         def __exit__(hook: Any, *exc_info: Any) -> Any:
-            entry = hook.__dict__.pop("_torch_fsdp_ext_entry", None)
-            if entry is not None:
-                stack = frames.stack
-                for i in range(len(stack) - 1, -1, -1):
-                    if stack[i] is entry:
-                        del stack[i]
-                        break
-                if isinstance(entry, _RecomputeFrame) and entry.open:
+            stack = frames.stack
+            if stack:
+                entry = _pop_entry(stack, hook)
+                if type(entry) is _RecomputeFrame and entry.open:
                     _unwind(entry)
             return original(hook, *exc_info)
 
@@ -333,6 +332,14 @@ def _innermost_recompute(stack: list) -> _RecomputeFrame | None:
     for entry in reversed(stack):
         if type(entry) is _RecomputeFrame:
             return entry
+    return None
+
+
+def _pop_entry(stack: list, hook: Any) -> _ForwardFrame | _RecomputeFrame | None:
+    """Remove and return ``hook``'s entry; it is the innermost one unless frames exited out of order."""
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i].hook is hook:
+            return stack.pop(i)
     return None
 
 
