@@ -205,7 +205,24 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def bf16_compute_reference(master: nn.Module, inputs_per_rank: list[torch.Tensor]):
+def fsdp2_gradient_scale(world_size: int, rank: int, **fully_shard_kwargs) -> float:
+    """The factor by which this torch's FSDP2 scales the rank-averaged gradient, measured without the plugin.
+
+    Note: torch 2.7's FSDP2 *sums* gradients over gloo instead of averaging them
+    (factor = world size); other releases average (factor 1). Measured on a
+    one-weight fp32 model that unpatched FSDP2 handles, so that a reference
+    applies the same reduction and any remaining difference is the plugin's.
+    """
+    with plugin(False):
+        model = nn.Linear(4, 1, bias=False)
+        fully_shard(model, **fully_shard_kwargs)
+        model(torch.full((1, 4), float(rank + 1))).sum().backward()  # local grad: rank + 1 everywhere
+        grad = model.weight.grad.full_tensor()
+    mean = (world_size + 1) / 2
+    return grad[0, 0].item() / mean
+
+
+def bf16_compute_reference(master: nn.Module, inputs_per_rank: list[torch.Tensor], grad_scale: float = 1.0):
     """Single-process reference for fp32 master weights + bf16 compute + fp32 gradient averaging.
 
     Each rank's micro-batch runs on a bf16 copy of the fp32 master model (as FSDP's
@@ -223,5 +240,5 @@ def bf16_compute_reference(master: nn.Module, inputs_per_rank: list[torch.Tensor
         for name, param in compute.named_parameters():
             grads[name] = grads.get(name, 0) + param.grad.float()
     for name, param in master.named_parameters():
-        param.grad = grads[name] / len(inputs_per_rank)
+        param.grad = grads[name] / len(inputs_per_rank) * grad_scale
     return losses
