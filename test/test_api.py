@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
 from torch_fsdp_ext import _compat
+from torch_fsdp_ext._patching import PatchSet
 
 from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, MixedPrecisionPolicy, fully_shard, run_python
 
@@ -83,6 +84,35 @@ class TestInstallUninstall(TestCase):
         report = torch_fsdp_ext.status().fixes
         self.assertEqual(report["dtype"].needed, HAS_DTYPE_BUG)
         self.assertEqual(report["recompute"].needed, True)
+
+
+class TestPatchSet(TestCase):
+    def test_rollback_after_a_failed_wrap_restores_what_was_applied_by_identity(self):
+        """torch 2.6: a wrapper factory raised midway through install(), and the rollback then
+        tried to delete an inherited attribute it had never set."""
+
+        class Base:
+            def inherited(self):
+                return "base"
+
+        class Owner(Base):
+            def own(self):
+                return "own"
+
+        own = Owner.__dict__["own"]
+        patches = PatchSet()
+        patches.wrap(Owner, "own", lambda original: lambda self: "wrapped")
+
+        def failing_factory(original):
+            raise RuntimeError("probe failed")
+
+        with self.assertRaisesRegex(RuntimeError, "probe failed"):
+            patches.wrap(Owner, "inherited", failing_factory)
+        self.assertEqual(Owner().own(), "wrapped")
+        patches.restore()
+        self.assertIs(Owner.__dict__["own"], own)
+        self.assertNotIn("inherited", Owner.__dict__)
+        self.assertEqual(Owner().inherited(), "base")
 
 
 class TestFreshInterpreter(TestCase):

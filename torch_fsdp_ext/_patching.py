@@ -44,8 +44,11 @@ class PatchSet:
 
     def wrap(self, owner: Any, name: str, make_wrapper: Callable[[Any], Any]) -> None:
         """Replace ``owner.name`` with ``make_wrapper(current)``; ``current`` may be inherited."""
-        self._attributes.append(_AttributePatch(owner, name, owner.__dict__.get(name, _ABSENT)))
-        setattr(owner, name, make_wrapper(getattr(owner, name)))
+        original = owner.__dict__.get(name, _ABSENT)
+        replacement = make_wrapper(getattr(owner, name))
+        setattr(owner, name, replacement)
+        # Recorded only once applied, so a rollback after a failed wrap undoes nothing it did not do.
+        self._attributes.append(_AttributePatch(owner, name, original))
 
     def rebind_hook(self, hooks: dict, hook_id: int, replacement: types.MethodType) -> None:
         """Swap one registered module hook (a bound method) for ``replacement``."""
