@@ -261,8 +261,20 @@ def cast_floating_tensors(dtype: torch.dtype, value: Any) -> Any:
     return internals.apply_to_tensors(functools.partial(internals.cast_fp_tensor, dtype), value)
 
 
-def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
-    return (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+def accelerator_device_type() -> str | None:
+    """This machine's accelerator ("cuda", "xpu", ...), or None.
+
+    Note: ``torch.accelerator`` is new in 2.6, where ``current_accelerator()``
+    raises instead of returning None on a machine without one.
+    """
+    accelerator = getattr(torch, "accelerator", None)
+    try:
+        current = accelerator.current_accelerator() if accelerator is not None else None
+    except RuntimeError:
+        current = None
+    if current is not None:
+        return current.type
+    return "cuda" if torch.cuda.is_available() else None
 
 
 def current_graph_task_id() -> int:

@@ -88,10 +88,16 @@ class _RecomputeFrame:
 
 
 class _ActiveFrames(threading.local):
-    """Checkpoint frames active on this thread, innermost last (saved-tensor hooks are per thread)."""
+    """Checkpoint frames active on this thread, innermost last (saved-tensor hooks are per thread).
+
+    Note: ``recomputes`` repeats the recompute frames of ``stack`` so that the
+    hooks, which run for every FSDP module forward, find the innermost one
+    without a search.
+    """
 
     def __init__(self) -> None:
         self.stack: list[_ForwardFrame | _RecomputeFrame] = []
+        self.recomputes: list[_RecomputeFrame] = []
 
 
 class RecomputeReplay:
@@ -195,9 +201,9 @@ class RecomputeReplay:
             if frame is not None and fix.active:
                 entry = frame_type(hook, frame)
                 if is_recompute:
-                    entry.autocast_on_entry = {
-                        d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types
-                    }
+                    for d in device_types:
+                        entry.autocast_on_entry[d] = (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                    frames.recomputes.append(entry)
                 frames.stack.append(entry)
             return result
 
@@ -210,9 +216,11 @@ class RecomputeReplay:
         def __exit__(hook: Any, *exc_info: Any) -> Any:
             stack = frames.stack
             if stack:
-                entry = _pop_entry(stack, hook)
-                if type(entry) is _RecomputeFrame and entry.open:
-                    _unwind(entry)
+                entry = stack.pop() if stack[-1].hook is hook else _pop_entry(stack, hook)
+                if type(entry) is _RecomputeFrame:
+                    _pop_entry(frames.recomputes, hook)
+                    if entry.open:
+                        _unwind(entry)
             return original(hook, *exc_info)
 
         return __exit__
@@ -230,7 +238,7 @@ class RecomputeReplay:
             if not stack or not fix.active:
                 return original(state, module, args, kwargs)
             key = (state, module)
-            recompute = _innermost_recompute(stack)
+            recompute = frames.recomputes[-1] if frames.recomputes else None
             # Advance the cursor even when nothing is replayed, to stay paired with the forward.
             context = recompute.next_context(key) if recompute is not None else None
             if context is not None and state._training_state == pre_backward:
@@ -253,10 +261,8 @@ class RecomputeReplay:
 
         @wraps(original)
         def _post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
-            stack = frames.stack
-            if not stack:
-                return original(state, module, input, output)
-            recompute = _innermost_recompute(stack)
+            recomputes = frames.recomputes
+            recompute = recomputes[-1] if recomputes else None
             if recompute is None or not recompute.open or recompute.open[-1].key != (state, module):
                 return original(state, module, input, output)
             replay = recompute.open.pop()
@@ -275,9 +281,10 @@ class RecomputeReplay:
     ) -> tuple[ForwardContext, tuple, dict]:
         """Run the real pre-forward and describe the context it created."""
         device = state._device
-        autocast = (_compat.autocast_state(device.type),)
-        if device.type != "cpu":
-            autocast += (_compat.autocast_state("cpu"),)
+        device_type = device.type
+        autocast = ((device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),)
+        if device_type != "cpu":
+            autocast += (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),)
         ctx = state._state_ctx
         claims_root = ctx.iter_forward_root is None
         args, kwargs = original(state, module, args, kwargs)
@@ -302,7 +309,7 @@ class RecomputeReplay:
             kwargs = _compat.cast_floating_tensors(context.input_dtype, kwargs)
         entered = []
         for device_type, enabled, dtype in context.autocast:
-            if _compat.autocast_state(device_type) != (device_type, enabled, dtype):
+            if torch.is_autocast_enabled(device_type) != enabled or torch.get_autocast_dtype(device_type) != dtype:
                 autocast = torch.amp.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=context.autocast_cache)
                 autocast.__enter__()
                 entered.append(autocast)
@@ -328,15 +335,8 @@ def _remember_frame_ref(original: Callable) -> Callable:
     return __init__
 
 
-def _innermost_recompute(stack: list) -> _RecomputeFrame | None:
-    for entry in reversed(stack):
-        if type(entry) is _RecomputeFrame:
-            return entry
-    return None
-
-
 def _pop_entry(stack: list, hook: Any) -> _ForwardFrame | _RecomputeFrame | None:
-    """Remove and return ``hook``'s entry; it is the innermost one unless frames exited out of order."""
+    """Remove and return ``hook``'s entry, searching from the innermost one."""
     for i in range(len(stack) - 1, -1, -1):
         if stack[i].hook is hook:
             return stack.pop(i)
@@ -345,11 +345,8 @@ def _pop_entry(stack: list, hook: Any) -> _ForwardFrame | _RecomputeFrame | None
 
 def _autocast_device_types() -> tuple[str, ...]:
     """CPU and this machine's accelerator: the autocast states a recomputation may need restored."""
-    accelerator = getattr(torch, "accelerator", None)
-    current = accelerator.current_accelerator() if accelerator is not None else None
-    if current is not None:
-        return ("cpu", current.type)
-    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    accelerator = _compat.accelerator_device_type()
+    return ("cpu", accelerator) if accelerator is not None else ("cpu",)
 
 
 def _unwind(entry: _RecomputeFrame) -> None:
