@@ -210,7 +210,6 @@ def doctor(world_size: int = 2) -> int:
         return 1
     if "baseline" in outcomes:
         print(f"self-test not run: FSDP2 itself fails on {backend.device_type} with this torch ({outcomes['baseline']})")
-        return 0
     rows, healthy = fix_rows(report, outcomes)
     print(format_table(rows))
     return 0 if healthy else 1
