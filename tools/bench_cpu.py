@@ -392,12 +392,21 @@ def overhead_section(args: argparse.Namespace) -> bool:
     return ok
 
 
-def breakdown_section(args: argparse.Namespace) -> bool:
+@contextlib.contextmanager
+def single_rank_group():
+    """A one-rank gloo process group for the sections that run in this process."""
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def breakdown_section(args: argparse.Namespace) -> bool:
+    with single_rank_group():
         torch.set_num_threads(1)
         medians = measure_hook_breakdown(32 if not args.quick else 8, args.rounds, args.reps)
-        dist.destroy_process_group()
     print(f"\nPer-call CPU µs inside each hook, per-block checkpointing, world size 1 ({args.rounds}x{args.reps} steps):")
     print(table(["hook", "unpatched µs", "patched µs", "added µs"], [
         [name, f"{m[False]:.1f}", f"{m[True]:.1f}", f"{m[True] - m[False]:+.1f}"] for name, m in medians.items()
@@ -406,10 +415,8 @@ def breakdown_section(args: argparse.Namespace) -> bool:
 
 
 def memory_section(args: argparse.Namespace) -> bool:
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+    with single_rank_group():
         rows = measure_memory(args.iterations)
-        dist.destroy_process_group()
     (_, base_peak, base_growth, base_objects, base_rss), (_, peak, growth, objects, rss) = rows
     ratio = (rss / base_rss) if base_rss else 1.0
     print(f"\nMemory, {args.iterations} checkpointed iterations of 8 blocks (world size 1):")
@@ -422,10 +429,8 @@ def memory_section(args: argparse.Namespace) -> bool:
 
 
 def init_section(args: argparse.Namespace) -> bool:
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+    with single_rank_group():
         r = measure_init(args.fraction, args.dim, args.layers)
-        dist.destroy_process_group()
     added = r["plugin_bytes"] - r["unpatched_bytes"]
     print(f"\nInit cost of the upcast: {args.layers} layers of Linear({args.dim}) + LayerNorm, "
           f"{args.fraction:.0%} of layers bf16 ({r['bf16_elements']} bf16 elements), world size {r['world']}")
