@@ -196,7 +196,8 @@ class DtypeNormalization:
         if not plan.casts or plan.conflicts:
             return  # nothing to do, or an error that lazy init reports with full FQNs
         group_name = ", ".join(type(m).__name__ for m in modules)
-        self._report(group_name, plan, mp_policy.param_dtype is None, f"{plan.added_bytes(lambda p: p.tensor.numel())} bytes before sharding")
+        added = plan.added_bytes(lambda p: p.tensor.numel())
+        self._report(group_name, plan, mp_policy.param_dtype is None, f"{added} bytes before sharding")
         for p in plan.casts:
             p.handle.data = p.handle.data.to(plan.target)
 

@@ -216,7 +216,7 @@ class RecomputeReplay:
         def __exit__(hook: Any, *exc_info: Any) -> Any:
             stack = frames.stack
             if stack:
-                entry = stack.pop() if stack[-1].hook is hook else _pop_entry(stack, hook)
+                entry = _pop_entry(stack, hook)
                 if type(entry) is _RecomputeFrame:
                     _pop_entry(frames.recomputes, hook)
                     if entry.open:
@@ -336,7 +336,7 @@ def _remember_frame_ref(original: Callable) -> Callable:
 
 
 def _pop_entry(stack: list, hook: Any) -> _ForwardFrame | _RecomputeFrame | None:
-    """Remove and return ``hook``'s entry, searching from the innermost one."""
+    """Remove and return ``hook``'s entry, searching from the innermost one (almost always the last)."""
     for i in range(len(stack) - 1, -1, -1):
         if stack[i].hook is hook:
             return stack.pop(i)
