@@ -327,6 +327,7 @@ class TestReplayMechanics(RecomputeTestCase):
             self.assertEqual(torch.autocast_increment_nesting() - 1, nesting)
             torch.autocast_decrement_nesting()
             self.assertEqual(fix.frames.stack, [])
+            self.assertIsNone(fix.frames.recompute)
 
     def test_stash_lives_on_the_frame_and_holds_no_tensors(self):
         import gc
@@ -336,7 +337,9 @@ class TestReplayMechanics(RecomputeTestCase):
             x = torch.randn(4, DIM, requires_grad=True)
             out = checkpoint_blocks(model, x, True)
             frames = [o for o in gc.get_objects() if type(o).__name__ == "_CheckpointFrame"]
-            records = [r for f in frames for rs in f.__dict__.get("_torch_fsdp_ext_records", {}).values() for r in rs]
+            records = [
+                r for f in frames for rs in f.__dict__["_torch_fsdp_ext_records"].contexts.values() for r in rs
+            ]
             self.assertEqual(len(records), 3)  # one per block forward
             for record in records:
                 self.assertFalse(any(isinstance(v, torch.Tensor) for v in record))

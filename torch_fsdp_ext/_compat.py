@@ -281,6 +281,15 @@ def current_graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
+def _any_autocast_enabled_by_device() -> bool:
+    return any(torch.is_autocast_enabled(d) for d in ("cpu", accelerator_device_type() or "cpu"))
+
+
+# One call that answers "is autocast on for any device type": the hot path of
+# every checkpointed FSDP forward asks it instead of reading each device's state.
+any_autocast_enabled: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", _any_autocast_enabled_by_device)
+
+
 # ---------------------------------------------------------------------------
 # Feature probes
 # ---------------------------------------------------------------------------

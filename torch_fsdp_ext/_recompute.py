@@ -20,6 +20,12 @@ cursor walks the same lists. Records live on the frame and die with it. A frame
 can be recomputed more than once (one per backward graph task), hence a cursor
 and not a queue that is consumed.
 
+Note: cost. Every FSDP pre-forward inside a checkpointed region runs this,
+so the common case is kept to a few attribute reads: autocast state is read
+per device only when some autocast is on (one call tells), and a recompute
+replays autocast only when its region ran under autocast or it starts under
+one. A replay is tracked until post-forward only when post-forward has work.
+
 Note: exception safety. Checkpoint's early stop ends a recomputation by raising
 inside a module's forward, so the matching post-forward never runs. Whatever a
 replay entered is undone when the recomputation hook exits.
@@ -27,7 +33,6 @@ replay entered is undone when the recomputation hook exits.
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Any, Callable, NamedTuple
 
@@ -43,8 +48,24 @@ class ForwardContext(NamedTuple):
     moved_to: torch.device | None  # the iteration root moved inputs here
     input_dtype: torch.dtype | None  # MixedPrecisionPolicy cast of floating inputs
     output_dtype: torch.dtype | None
-    autocast: tuple[tuple[str, bool, torch.dtype], ...]  # (device_type, enabled, dtype) per device type
-    autocast_cache: bool
+    # (device_type, enabled, dtype) for the module's device type and CPU; empty: autocast was off everywhere.
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    autocast_cache: bool | None
+
+
+class FrameRecords:
+    """The forward contexts of one checkpointed region, kept on its ``_CheckpointFrame``."""
+
+    __slots__ = ("contexts", "any_autocast")
+
+    def __init__(self) -> None:
+        self.contexts: dict[tuple[Any, Any], list[ForwardContext]] = {}
+        self.any_autocast = False  # some module forward in the region ran under autocast
+
+
+_NO_RECORDS = FrameRecords()  # for a frame whose forward ran before install(); never written to
+
+_RECORDS_ATTR = "_torch_fsdp_ext_records"
 
 
 class _ForwardFrame:
@@ -52,35 +73,36 @@ class _ForwardFrame:
 
     __slots__ = ("hook", "records")
 
-    def __init__(self, hook: Any, frame: Any) -> None:
+    def __init__(self, hook: Any, records: FrameRecords) -> None:
         self.hook = hook
-        records = frame.__dict__.get("_torch_fsdp_ext_records")
-        if records is None:
-            records = frame.__dict__["_torch_fsdp_ext_records"] = {}
-        self.records: dict[tuple[Any, Any], list[ForwardContext]] = records
+        self.records = records
 
 
 class _Replay(NamedTuple):
+    """A replayed pre-forward whose post-forward still has work: exit autocast, cast the output."""
+
     key: tuple[Any, Any]
-    context: ForwardContext
+    output_dtype: torch.dtype | None
     autocast_contexts: tuple[Any, ...]  # entered torch.amp.autocast objects, to exit
 
 
 class _RecomputeFrame:
     """A ``_recomputation_hook`` that is active: one recomputation of one region."""
 
-    __slots__ = ("hook", "records", "cursor", "open", "autocast_on_entry")
+    __slots__ = ("hook", "contexts", "cursor", "open", "autocast_on_entry", "outer")
 
-    def __init__(self, hook: Any, frame: Any) -> None:
+    def __init__(self, hook: Any, records: FrameRecords, outer: _RecomputeFrame | None) -> None:
         self.hook = hook
-        self.records: dict[tuple[Any, Any], list[ForwardContext]] = frame.__dict__.get("_torch_fsdp_ext_records", {})
+        self.contexts = records.contexts
         self.cursor: dict[tuple[Any, Any], int] = {}
         self.open: list[_Replay] = []
-        self.autocast_on_entry: dict[str, tuple[bool, torch.dtype]] = {}
+        # Autocast state per device type when this recomputation began; None: autocast is not replayed.
+        self.autocast_on_entry: dict[str, tuple[bool, torch.dtype]] | None = None
+        self.outer = outer  # the recomputation this one runs inside, if any
 
     def next_context(self, key: tuple[Any, Any]) -> ForwardContext | None:
         index = self.cursor.get(key, 0)
-        contexts = self.records.get(key)
+        contexts = self.contexts.get(key)
         if contexts is None or index >= len(contexts):
             return None
         self.cursor[key] = index + 1
@@ -90,14 +112,17 @@ class _RecomputeFrame:
 class _ActiveFrames(threading.local):
     """Checkpoint frames active on this thread, innermost last (saved-tensor hooks are per thread).
 
-    Note: ``recomputes`` repeats the recompute frames of ``stack`` so that the
-    hooks, which run for every FSDP module forward, find the innermost one
-    without a search.
+    Note: ``recompute`` is the innermost entry of ``stack`` that is a
+    recomputation, so that the hooks, which run for every FSDP module forward,
+    find it without a search. Recomputations are ``with`` blocks inside
+    checkpoint's unpack hook, so they end in the reverse order of their start;
+    a region's forward can end out of order (its generator is closed late when
+    the forward raised), hence a list for ``stack``.
     """
 
     def __init__(self) -> None:
         self.stack: list[_ForwardFrame | _RecomputeFrame] = []
-        self.recomputes: list[_RecomputeFrame] = []
+        self.recompute: _RecomputeFrame | None = None
 
 
 class RecomputeReplay:
@@ -147,10 +172,10 @@ class RecomputeReplay:
 
     def install(self, patches: PatchSet) -> None:
         internals = self.internals
-        patches.wrap(internals.checkpoint_hook, "__init__", _remember_frame)
-        patches.wrap(internals.recomputation_hook, "__init__", _remember_frame_ref)
-        patches.wrap(internals.checkpoint_hook, "__enter__", functools.partial(self._wrap_enter, _ForwardFrame))
-        patches.wrap(internals.recomputation_hook, "__enter__", functools.partial(self._wrap_enter, _RecomputeFrame))
+        patches.wrap(internals.checkpoint_hook, "__init__", _attach_records)
+        patches.wrap(internals.recomputation_hook, "__init__", _find_records)
+        patches.wrap(internals.checkpoint_hook, "__enter__", self._wrap_forward_enter)
+        patches.wrap(internals.recomputation_hook, "__enter__", self._wrap_recompute_enter)
         patches.wrap(internals.checkpoint_hook, "__exit__", self._wrap_exit)
         patches.wrap(internals.recomputation_hook, "__exit__", self._wrap_exit)
         patches.wrap(internals.FSDPState, "_pre_forward", self._wrap_pre_forward)
@@ -188,22 +213,36 @@ class RecomputeReplay:
 
     # -- checkpoint frames -----------------------------------------------------
 
-    def _wrap_enter(self, frame_type: type, original: Callable) -> Callable:
+    def _wrap_forward_enter(self, original: Callable) -> Callable:
         frames = self.frames
         fix = self
-        device_types = _autocast_device_types()
-        is_recompute = frame_type is _RecomputeFrame
 
         @wraps(original)
         def __enter__(hook: Any) -> Any:
             result = original(hook)
-            frame = hook.__dict__.get("_torch_fsdp_ext_frame")  # set by _remember_frame(_ref)
-            if frame is not None and fix.active:
-                entry = frame_type(hook, frame)
-                if is_recompute:
-                    for d in device_types:
-                        entry.autocast_on_entry[d] = (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                    frames.recomputes.append(entry)
+            records = hook.__dict__.get(_RECORDS_ATTR)  # set by _attach_records
+            if records is not None and fix.active:
+                frames.stack.append(_ForwardFrame(hook, records))
+            return result
+
+        return __enter__
+
+    def _wrap_recompute_enter(self, original: Callable) -> Callable:
+        frames = self.frames
+        fix = self
+        device_types = _autocast_device_types()
+
+        @wraps(original)
+        def __enter__(hook: Any) -> Any:
+            result = original(hook)
+            records = hook.__dict__.get(_RECORDS_ATTR)  # set by _find_records
+            if records is not None and fix.active:
+                entry = _RecomputeFrame(hook, records, frames.recompute)
+                if records.any_autocast or _compat.any_autocast_enabled():
+                    entry.autocast_on_entry = {
+                        d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types
+                    }
+                frames.recompute = entry
                 frames.stack.append(entry)
             return result
 
@@ -216,9 +255,9 @@ class RecomputeReplay:
         def __exit__(hook: Any, *exc_info: Any) -> Any:
             stack = frames.stack
             if stack:
-                entry = _pop_entry(stack, hook)
+                entry = stack.pop() if stack[-1].hook is hook else _remove_entry(stack, hook)
                 if type(entry) is _RecomputeFrame:
-                    _pop_entry(frames.recomputes, hook)
+                    frames.recompute = entry.outer
                     if entry.open:
                         _unwind(entry)
             return original(hook, *exc_info)
@@ -238,7 +277,7 @@ class RecomputeReplay:
             if not stack or not fix.active:
                 return original(state, module, args, kwargs)
             key = (state, module)
-            recompute = frames.recomputes[-1] if frames.recomputes else None
+            recompute = frames.recompute
             # Advance the cursor even when nothing is replayed, to stay paired with the forward.
             context = recompute.next_context(key) if recompute is not None else None
             if context is not None and state._training_state == pre_backward:
@@ -250,7 +289,10 @@ class RecomputeReplay:
             for entry in reversed(stack):
                 if entry is recompute:
                     break
-                entry.records.setdefault(key, []).append(context)
+                records = entry.records
+                records.contexts.setdefault(key, []).append(context)
+                if context.autocast:
+                    records.any_autocast = True
             return args, kwargs
 
         return _pre_forward
@@ -261,17 +303,15 @@ class RecomputeReplay:
 
         @wraps(original)
         def _post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
-            recomputes = frames.recomputes
-            recompute = recomputes[-1] if recomputes else None
+            recompute = frames.recompute
             if recompute is None or not recompute.open or recompute.open[-1].key != (state, module):
                 return original(state, module, input, output)
             replay = recompute.open.pop()
             output = original(state, module, input, output)
             for autocast in reversed(replay.autocast_contexts):
                 autocast.__exit__(None, None, None)
-            output_dtype = replay.context.output_dtype
-            if output_dtype is not None and not fix.upstream_casts_outputs:
-                output = _compat.cast_floating_tensors(output_dtype, output)
+            if replay.output_dtype is not None:
+                output = _compat.cast_floating_tensors(replay.output_dtype, output)
             return output
 
         return _post_forward
@@ -281,10 +321,13 @@ class RecomputeReplay:
     ) -> tuple[ForwardContext, tuple, dict]:
         """Run the real pre-forward and describe the context it created."""
         device = state._device
-        device_type = device.type
-        autocast = ((device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),)
-        if device_type != "cpu":
-            autocast += (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),)
+        autocast, autocast_cache = (), None
+        if _compat.any_autocast_enabled():
+            device_type = device.type
+            autocast = ((device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),)
+            if device_type != "cpu":
+                autocast += (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),)
+            autocast_cache = torch.is_autocast_cache_enabled()
         ctx = state._state_ctx
         claims_root = ctx.iter_forward_root is None
         args, kwargs = original(state, module, args, kwargs)
@@ -295,7 +338,7 @@ class RecomputeReplay:
             input_dtype=policy.param_dtype if policy.cast_forward_inputs else None,
             output_dtype=policy.output_dtype,
             autocast=autocast,
-            autocast_cache=torch.is_autocast_cache_enabled(),
+            autocast_cache=autocast_cache,
         )
         return context, args, kwargs
 
@@ -307,40 +350,60 @@ class RecomputeReplay:
         if context.input_dtype is not None and not self.upstream_casts_inputs:
             args = _compat.cast_floating_tensors(context.input_dtype, args)
             kwargs = _compat.cast_floating_tensors(context.input_dtype, kwargs)
-        entered = []
-        for device_type, enabled, dtype in context.autocast:
-            if torch.is_autocast_enabled(device_type) != enabled or torch.get_autocast_dtype(device_type) != dtype:
-                autocast = torch.amp.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=context.autocast_cache)
-                autocast.__enter__()
-                entered.append(autocast)
-        recompute.open.append(_Replay(key, context, tuple(entered)))
+        entered = ()
+        if recompute.autocast_on_entry is not None:
+            entered = tuple(self.enter_forward_autocast(
+                context.autocast or _autocast_off(key[0]._device.type), context.autocast_cache
+            ))
+        output_dtype = None if self.upstream_casts_outputs else context.output_dtype
+        if entered or output_dtype is not None:
+            recompute.open.append(_Replay(key, output_dtype, entered))
         return args, kwargs
 
+    def enter_forward_autocast(self, forward_autocast: tuple, cache_enabled: bool | None):
+        """Enter an autocast for each device type whose state differs from the forward's; yield them."""
+        for device_type, enabled, dtype in forward_autocast:
+            if torch.is_autocast_enabled(device_type) == enabled and (
+                dtype is None or torch.get_autocast_dtype(device_type) == dtype
+            ):
+                continue
+            autocast = torch.amp.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            autocast.__enter__()
+            yield autocast
 
-def _remember_frame(original: Callable) -> Callable:
+
+def _attach_records(original: Callable) -> Callable:
     @wraps(original)
     def __init__(hook: Any, frame: Any, *args: Any, **kwargs: Any) -> None:
         original(hook, frame, *args, **kwargs)
-        hook._torch_fsdp_ext_frame = frame
+        records = frame.__dict__.get(_RECORDS_ATTR)
+        if records is None:
+            records = frame.__dict__[_RECORDS_ATTR] = FrameRecords()
+        hook.__dict__[_RECORDS_ATTR] = records
 
     return __init__
 
 
-def _remember_frame_ref(original: Callable) -> Callable:
+def _find_records(original: Callable) -> Callable:
     @wraps(original)
     def __init__(hook: Any, target_frame_ref: Any, *args: Any, **kwargs: Any) -> None:
         original(hook, target_frame_ref, *args, **kwargs)
-        hook._torch_fsdp_ext_frame = target_frame_ref()
+        hook.__dict__[_RECORDS_ATTR] = target_frame_ref().__dict__.get(_RECORDS_ATTR, _NO_RECORDS)
 
     return __init__
 
 
-def _pop_entry(stack: list, hook: Any) -> _ForwardFrame | _RecomputeFrame | None:
-    """Remove and return ``hook``'s entry, searching from the innermost one (almost always the last)."""
-    for i in range(len(stack) - 1, -1, -1):
+def _remove_entry(stack: list, hook: Any) -> _ForwardFrame | _RecomputeFrame | None:
+    """Remove and return ``hook``'s entry below the top of the stack (a region whose forward ended late)."""
+    for i in range(len(stack) - 2, -1, -1):
         if stack[i].hook is hook:
             return stack.pop(i)
     return None
+
+
+def _autocast_off(device_type: str) -> tuple[tuple[str, bool, None], ...]:
+    """The forward's autocast when it was off everywhere: disabled, dtype left as it is."""
+    return ((device_type, False, None),) if device_type == "cpu" else ((device_type, False, None), ("cpu", False, None))
 
 
 def _autocast_device_types() -> tuple[str, ...]:
