@@ -20,6 +20,12 @@ cursor walks the same lists. Records live on the frame and die with it. A frame
 can be recomputed more than once (one per backward graph task), hence a cursor
 and not a queue that is consumed.
 
+Note: what a record holds. Only what the FSDP state does not tell: whether this
+call was the iteration root that moved the inputs, and the autocast state. The
+input and output casts follow from the state's ``MixedPrecisionPolicy``, fixed
+at ``fully_shard`` time, so the replay reads them there, as upstream's own fix
+of the input cast does.
+
 Note: cost. Every FSDP pre-forward inside a checkpointed region runs this,
 so the common case is kept to a few attribute reads: autocast state is read
 per device only when some autocast is on (one call tells), and a recompute
@@ -43,14 +49,15 @@ from ._patching import PatchSet, wraps
 
 
 class ForwardContext(NamedTuple):
-    """What FSDP did around one module forward inside a checkpointed region."""
+    """The part of one module forward's context inside a checkpointed region that its FSDP state does not tell."""
 
     moved_to: torch.device | None  # the iteration root moved inputs here
-    input_dtype: torch.dtype | None  # MixedPrecisionPolicy cast of floating inputs
-    output_dtype: torch.dtype | None
     # (device_type, enabled, dtype) for the module's device type and CPU; empty: autocast was off everywhere.
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     autocast_cache: bool | None
+
+
+_PLAIN_FORWARD = ForwardContext(moved_to=None, autocast=(), autocast_cache=None)  # by far the most common
 
 
 class FrameRecords:
@@ -89,7 +96,7 @@ class _Replay(NamedTuple):
 class _RecomputeFrame:
     """A ``_recomputation_hook`` that is active: one recomputation of one region."""
 
-    __slots__ = ("hook", "contexts", "cursor", "open", "autocast_on_entry", "outer")
+    __slots__ = ("hook", "contexts", "cursor", "open", "autocast_on_entry", "replays_every_forward", "outer")
 
     def __init__(self, hook: Any, records: FrameRecords, outer: _RecomputeFrame | None) -> None:
         self.hook = hook
@@ -98,6 +105,8 @@ class _RecomputeFrame:
         self.open: list[_Replay] = []
         # Autocast state per device type when this recomputation began; None: autocast is not replayed.
         self.autocast_on_entry: dict[str, tuple[bool, torch.dtype]] | None = None
+        # A plain forward (no root move, autocast off) needs a replay too: a cast or autocast to restore.
+        self.replays_every_forward = False
         self.outer = outer  # the recomputation this one runs inside, if any
 
     def next_context(self, key: tuple[Any, Any]) -> ForwardContext | None:
@@ -231,6 +240,7 @@ class RecomputeReplay:
         frames = self.frames
         fix = self
         device_types = _autocast_device_types()
+        replays_casts = not (self.upstream_casts_inputs and self.upstream_casts_outputs)
 
         @wraps(original)
         def __enter__(hook: Any) -> Any:
@@ -242,6 +252,7 @@ class RecomputeReplay:
                     entry.autocast_on_entry = {
                         d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types
                     }
+                entry.replays_every_forward = entry.autocast_on_entry is not None or replays_casts
                 frames.recompute = entry
                 frames.stack.append(entry)
             return result
@@ -280,19 +291,29 @@ class RecomputeReplay:
             recompute = frames.recompute
             # Advance the cursor even when nothing is replayed, to stay paired with the forward.
             context = recompute.next_context(key) if recompute is not None else None
-            if context is not None and state._training_state == pre_backward:
-                args, kwargs = fix.replay_pre_forward(recompute, key, context, args, kwargs)
+            if context is not None and state._training_state is pre_backward:
+                if recompute.replays_every_forward or context is not _PLAIN_FORWARD:
+                    args, kwargs = fix.replay_pre_forward(recompute, key, context, args, kwargs)
                 args, kwargs = original(state, module, args, kwargs)
             else:
-                context, args, kwargs = fix.run_and_capture(original, state, module, args, kwargs)
-            # Forward frames above the innermost recompute belong to checkpoints nested in it.
-            for entry in reversed(stack):
-                if entry is recompute:
-                    break
-                records = entry.records
-                records.contexts.setdefault(key, []).append(context)
-                if context.autocast:
-                    records.any_autocast = True
+                context = capture_autocast(state._device.type) if _compat.any_autocast_enabled() else _PLAIN_FORWARD
+                claims_root = state._state_ctx.iter_forward_root is None
+                args, kwargs = original(state, module, args, kwargs)
+                if claims_root and state._state_ctx.iter_forward_root is state and _compat.moves_inputs_to(state._device):
+                    context = context._replace(moved_to=state._device)
+            if stack[-1] is not recompute:
+                # Forward frames above the innermost recompute: this region, and checkpoints nested in it.
+                for entry in reversed(stack):
+                    if entry is recompute:
+                        break
+                    records = entry.records
+                    contexts = records.contexts.get(key)
+                    if contexts is None:
+                        records.contexts[key] = [context]
+                    else:
+                        contexts.append(context)
+                    if context.autocast:
+                        records.any_autocast = True
             return args, kwargs
 
         return _pre_forward
@@ -316,46 +337,22 @@ class RecomputeReplay:
 
         return _post_forward
 
-    def run_and_capture(
-        self, original: Callable, state: Any, module: Any, args: tuple, kwargs: dict
-    ) -> tuple[ForwardContext, tuple, dict]:
-        """Run the real pre-forward and describe the context it created."""
-        device = state._device
-        autocast, autocast_cache = (), None
-        if _compat.any_autocast_enabled():
-            device_type = device.type
-            autocast = ((device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),)
-            if device_type != "cpu":
-                autocast += (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),)
-            autocast_cache = torch.is_autocast_cache_enabled()
-        ctx = state._state_ctx
-        claims_root = ctx.iter_forward_root is None
-        args, kwargs = original(state, module, args, kwargs)
-        moved = claims_root and state._state_ctx.iter_forward_root is state and _compat.moves_inputs_to(device)
-        policy = state._mp_policy
-        context = ForwardContext(
-            moved_to=device if moved else None,
-            input_dtype=policy.param_dtype if policy.cast_forward_inputs else None,
-            output_dtype=policy.output_dtype,
-            autocast=autocast,
-            autocast_cache=autocast_cache,
-        )
-        return context, args, kwargs
-
     def replay_pre_forward(
         self, recompute: _RecomputeFrame, key: tuple, context: ForwardContext, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict]:
+        state = key[0]
+        policy = state._mp_policy
         if context.moved_to is not None and not self.upstream_moves_inputs:
             args, kwargs = _compat.move_inputs(args, kwargs, context.moved_to)
-        if context.input_dtype is not None and not self.upstream_casts_inputs:
-            args = _compat.cast_floating_tensors(context.input_dtype, args)
-            kwargs = _compat.cast_floating_tensors(context.input_dtype, kwargs)
+        if not self.upstream_casts_inputs and policy.cast_forward_inputs and policy.param_dtype is not None:
+            args = _compat.cast_floating_tensors(policy.param_dtype, args)
+            kwargs = _compat.cast_floating_tensors(policy.param_dtype, kwargs)
         entered = ()
         if recompute.autocast_on_entry is not None:
             entered = tuple(self.enter_forward_autocast(
-                context.autocast or _autocast_off(key[0]._device.type), context.autocast_cache
+                context.autocast or _autocast_off(state._device.type), context.autocast_cache
             ))
-        output_dtype = None if self.upstream_casts_outputs else context.output_dtype
+        output_dtype = None if self.upstream_casts_outputs else policy.output_dtype
         if entered or output_dtype is not None:
             recompute.open.append(_Replay(key, output_dtype, entered))
         return args, kwargs
@@ -370,6 +367,14 @@ class RecomputeReplay:
             autocast = torch.amp.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
             autocast.__enter__()
             yield autocast
+
+
+def capture_autocast(device_type: str) -> ForwardContext:
+    """The autocast state a forward runs under, for its device type and CPU."""
+    autocast = ((device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),)
+    if device_type != "cpu":
+        autocast += (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),)
+    return ForwardContext(moved_to=None, autocast=autocast, autocast_cache=torch.is_autocast_cache_enabled())
 
 
 def _attach_records(original: Callable) -> Callable:
