@@ -246,7 +246,9 @@ class RecomputeReplay:
         def __enter__(hook: Any) -> Any:
             result = original(hook)
             records = hook.__dict__.get(_RECORDS_ATTR)  # set by _find_records
-            if records is not None and fix.active:
+            # No record: no FSDP module ran forward in this region (nor in checkpoints nested in it), so
+            # none runs in its recomputation either; e.g. checkpoint_wrapper applied inside an FSDP unit.
+            if records is not None and records.contexts and fix.active:
                 entry = _RecomputeFrame(hook, records, frames.recompute)
                 if records.any_autocast or _compat.any_autocast_enabled():
                     entry.autocast_on_entry = {
