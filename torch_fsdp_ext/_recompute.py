@@ -265,7 +265,7 @@ class RecomputeReplay:
         frames = self.frames
 
         @wraps(original)
-        def __exit__(hook: Any, *exc_info: Any) -> Any:
+        def __exit__(hook: Any, exc_type: Any, exc_value: Any, traceback: Any) -> Any:
             stack = frames.stack
             if stack:
                 entry = stack.pop() if stack[-1].hook is hook else _remove_entry(stack, hook)
@@ -273,7 +273,7 @@ class RecomputeReplay:
                     frames.recompute = entry.outer
                     if entry.open:
                         _unwind(entry)
-            return original(hook, *exc_info)
+            return original(hook, exc_type, exc_value, traceback)
 
         return __exit__
 
