@@ -231,7 +231,8 @@ def measure_overhead(sizes: list[int], rounds: int, reps: int) -> list[list]:
                 (in_wrappers[state] - in_wrappers["unpatched"]) / forwards * 1e6 for state in ("patched", "control")
             )
             results.append([blocks, checkpointed, base * 1e3, base * ratio * 1e3, ratio, control,
-                            base * (ratio - 1) / forwards * 1e6, added_in_wrappers, control_in_wrappers])
+                            base * (ratio - 1) / forwards * 1e6, in_wrappers["unpatched"] / forwards * 1e6,
+                            added_in_wrappers, control_in_wrappers])
     return results
 
 
@@ -255,18 +256,20 @@ def measure_hook_breakdown(blocks: int, rounds: int, reps: int) -> dict[str, dic
 
 
 def overhead_rows(results: list[list]) -> tuple[list[list[str]], bool]:
-    """Bounds: the step ratio, and the added µs per module forward measured inside the hooks.
+    """Bounds: the step ratio, and the added µs per module forward in the plugin's wrappers.
 
-    Note: the µs bound is checked on the in-hook measurement; the µs derived from
+    Note: the µs bound is checked on the wrappers' self time; the µs derived from
     the whole-step ratio is printed next to it, but at 8 blocks one percent of
-    step noise is already tens of µs per forward.
+    step noise is already tens of µs per forward. "timers µs/fwd" is the
+    unpatched self time, i.e. what the timing shims alone cost: a fixed amount of
+    Python work, so it shows how fast this machine runs Python inside the step.
     """
     rows, ok = [], True
-    for blocks, checkpointed, base_ms, ours_ms, ratio, control, step_us, hook_us, control_hook_us in results:
+    for blocks, checkpointed, base_ms, ours_ms, ratio, control, step_us, timers_us, hook_us, control_hook_us in results:
         within = ratio <= BOUND_RATIO and hook_us <= BOUND_ADDED_US
         ok &= within
         rows.append([blocks, "yes" if checkpointed else "no", f"{base_ms:.3f}", f"{ours_ms:.3f}", f"{ratio:.4f}",
-                     f"{control:.4f}", f"{step_us:+.1f}", f"{hook_us:+.1f}", f"{control_hook_us:+.1f}",
+                     f"{control:.4f}", f"{step_us:+.1f}", f"{timers_us:.1f}", f"{hook_us:+.1f}", f"{control_hook_us:+.1f}",
                      "ok" if within else "MISSED"])
     return rows, ok
 
@@ -410,7 +413,7 @@ def overhead_section(args: argparse.Namespace) -> bool:
         print(f"\nHook overhead, world size {world} (gloo, CPU, torch {torch.__version__}): "
               f"forward+backward step in CPU time, median over rounds of {args.reps} steps, alternating")
         print(table(["blocks", "ckpt", "unpatched ms", "patched ms", "ratio", "A/A ratio", "µs/fwd (step)",
-                     "µs/fwd (wrappers)", "A/A µs (wrappers)", "bound"], rows))
+                     "timers µs/fwd", "µs/fwd (wrappers)", "A/A µs (wrappers)", "bound"], rows))
     return ok
 
 

@@ -14,7 +14,7 @@ the inputs. The recomputed forward then differs from the original one:
 
 Note: how the replay is paired with the forward. While a checkpointed region runs
 forward, each FSDP pre-forward stashes a small ``ForwardContext`` (no tensors) on
-that region's ``_CheckpointFrame``, keyed by (FSDP state, module), in call order.
+that region's ``_CheckpointFrame``, keyed by module (one FSDP state per module), in call order.
 Recomputing a frame runs the same modules in the same order, so a per-recompute
 cursor walks the same lists. Records live on the frame and die with it. A frame
 can be recomputed more than once (one per backward graph task), hence a cursor
@@ -66,7 +66,7 @@ class FrameRecords:
     __slots__ = ("contexts", "any_autocast")
 
     def __init__(self) -> None:
-        self.contexts: dict[tuple[Any, Any], list[ForwardContext]] = {}
+        self.contexts: dict[Any, list[ForwardContext]] = {}
         self.any_autocast = False  # some module forward in the region ran under autocast
 
 
@@ -88,7 +88,7 @@ class _ForwardFrame:
 class _Replay(NamedTuple):
     """A replayed pre-forward whose post-forward still has work: exit autocast, cast the output."""
 
-    key: tuple[Any, Any]
+    module: Any
     output_dtype: torch.dtype | None
     autocast_contexts: tuple[Any, ...]  # entered torch.amp.autocast objects, to exit
 
@@ -101,7 +101,7 @@ class _RecomputeFrame:
     def __init__(self, hook: Any, records: FrameRecords, outer: _RecomputeFrame | None) -> None:
         self.hook = hook
         self.contexts = records.contexts
-        self.cursor: dict[tuple[Any, Any], int] = {}
+        self.cursor: dict[Any, int] = {}
         self.open: list[_Replay] = []
         # Autocast state per device type when this recomputation began; None: autocast is not replayed.
         self.autocast_on_entry: dict[str, tuple[bool, torch.dtype]] | None = None
@@ -109,12 +109,12 @@ class _RecomputeFrame:
         self.replays_every_forward = False
         self.outer = outer  # the recomputation this one runs inside, if any
 
-    def next_context(self, key: tuple[Any, Any]) -> ForwardContext | None:
-        index = self.cursor.get(key, 0)
-        contexts = self.contexts.get(key)
+    def next_context(self, module: Any) -> ForwardContext | None:
+        index = self.cursor.get(module, 0)
+        contexts = self.contexts.get(module)
         if contexts is None or index >= len(contexts):
             return None
-        self.cursor[key] = index + 1
+        self.cursor[module] = index + 1
         return contexts[index]
 
 
@@ -289,13 +289,12 @@ class RecomputeReplay:
             stack = frames.stack
             if not stack or not fix.active:
                 return original(state, module, args, kwargs)
-            key = (state, module)
             recompute = frames.recompute
             # Advance the cursor even when nothing is replayed, to stay paired with the forward.
-            context = recompute.next_context(key) if recompute is not None else None
+            context = recompute.next_context(module) if recompute is not None else None
             if context is not None and state._training_state is pre_backward:
                 if recompute.replays_every_forward or context is not _PLAIN_FORWARD:
-                    args, kwargs = fix.replay_pre_forward(recompute, key, context, args, kwargs)
+                    args, kwargs = fix.replay_pre_forward(recompute, state, module, context, args, kwargs)
                 args, kwargs = original(state, module, args, kwargs)
             else:
                 context = capture_autocast(state._device.type) if _compat.any_autocast_enabled() else _PLAIN_FORWARD
@@ -309,9 +308,9 @@ class RecomputeReplay:
                     if entry is recompute:
                         break
                     records = entry.records
-                    contexts = records.contexts.get(key)
+                    contexts = records.contexts.get(module)
                     if contexts is None:
-                        records.contexts[key] = [context]
+                        records.contexts[module] = [context]
                     else:
                         contexts.append(context)
                     if context.autocast:
@@ -327,7 +326,7 @@ class RecomputeReplay:
         @wraps(original)
         def _post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
             recompute = frames.recompute
-            if recompute is None or not recompute.open or recompute.open[-1].key != (state, module):
+            if recompute is None or not recompute.open or recompute.open[-1].module is not module:
                 return original(state, module, input, output)
             replay = recompute.open.pop()
             output = original(state, module, input, output)
@@ -340,9 +339,8 @@ class RecomputeReplay:
         return _post_forward
 
     def replay_pre_forward(
-        self, recompute: _RecomputeFrame, key: tuple, context: ForwardContext, args: tuple, kwargs: dict
+        self, recompute: _RecomputeFrame, state: Any, module: Any, context: ForwardContext, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict]:
-        state = key[0]
         policy = state._mp_policy
         if context.moved_to is not None and not self.upstream_moves_inputs:
             args, kwargs = _compat.move_inputs(args, kwargs, context.moved_to)
@@ -356,7 +354,7 @@ class RecomputeReplay:
             ))
         output_dtype = None if self.upstream_casts_outputs else policy.output_dtype
         if entered or output_dtype is not None:
-            recompute.open.append(_Replay(key, output_dtype, entered))
+            recompute.open.append(_Replay(module, output_dtype, entered))
         return args, kwargs
 
     def enter_forward_autocast(self, forward_autocast: tuple, cache_enabled: bool | None):
