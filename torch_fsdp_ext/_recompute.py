@@ -29,8 +29,10 @@ of the input cast does.
 Note: cost. Every FSDP pre-forward inside a checkpointed region runs this,
 so the common case is kept to a few attribute reads: autocast state is read
 per device only when some autocast is on (one call tells), and a recompute
-replays autocast only when its region ran under autocast or it starts under
-one. A replay is tracked until post-forward only when post-forward has work.
+replays autocast only when its region ran under autocast or, on a machine with
+an accelerator, it starts under one. Calls into torch cost microseconds each
+between FSDP's and autograd's own work (cold caches), so they are few. A replay
+is tracked until post-forward only when post-forward has work.
 
 Note: exception safety. Checkpoint's early stop ends a recomputation by raising
 inside a module's forward, so the matching post-forward never runs. Whatever a
@@ -240,6 +242,9 @@ class RecomputeReplay:
         frames = self.frames
         fix = self
         device_types = _autocast_device_types()
+        # Checkpoint restores the forward's CPU autocast itself, so an autocast the backward runs
+        # under can only leak into a recomputation through an accelerator's device type.
+        ambient_autocast_can_leak = len(device_types) > 1
         replays_casts = not (self.upstream_casts_inputs and self.upstream_casts_outputs)
 
         @wraps(original)
@@ -250,7 +255,7 @@ class RecomputeReplay:
             # none runs in its recomputation either; e.g. checkpoint_wrapper applied inside an FSDP unit.
             if records is not None and records.contexts and fix.active:
                 entry = _RecomputeFrame(hook, records, frames.recompute)
-                if records.any_autocast or _compat.any_autocast_enabled():
+                if records.any_autocast or (ambient_autocast_can_leak and _compat.any_autocast_enabled()):
                     entry.autocast_on_entry = {
                         d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types
                     }
