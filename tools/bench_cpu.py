@@ -207,7 +207,8 @@ def measure_overhead(sizes: list[int], rounds: int, reps: int) -> list[list]:
             model = build_stack(blocks, checkpointed, patched=False)
             timed_steps(model, x, 3)  # lazy init, warm-up
             medians: dict[str, list[float]] = {state: [] for state in states}
-            wrapper_seconds: dict[str, list[float]] = {state: [] for state in states}
+            # Self seconds per step: (FSDP pre/post-forward hooks, all timed hooks).
+            wrapper_seconds: dict[str, list[tuple[float, float]]] = {state: [] for state in states}
             # Fewer rounds for the big models: their steps are long enough to average by themselves.
             for round_index in range(max(rounds // 2, rounds * 32 // max(blocks, 32))):
                 # Alternate the order each round; one untimed step after each switch.
@@ -217,7 +218,10 @@ def measure_overhead(sizes: list[int], rounds: int, reps: int) -> list[list]:
                     medians[state].append(statistics.median(timed_steps(model, x, reps)))
                     with time_plugin_wrappers(model) as spent:
                         step(model, x)
-                    wrapper_seconds[state].append(sum(seconds for seconds, _ in spent.values()))
+                    wrapper_seconds[state].append((
+                        sum(seconds for name, (seconds, _) in spent.items() if name.startswith("FSDP")),
+                        sum(seconds for seconds, _ in spent.values()),
+                    ))
             torch_fsdp_ext.uninstall()
             base = statistics.median(medians["unpatched"])
             ratio, control = (
@@ -226,13 +230,16 @@ def measure_overhead(sizes: list[int], rounds: int, reps: int) -> list[list]:
             )
             # FSDP module forwards per step: blocks + root, and the blocks again when recomputed.
             forwards = blocks + 1 + (blocks if checkpointed else 0)
-            in_wrappers = {state: statistics.median(wrapper_seconds[state]) for state in states}
-            added_in_wrappers, control_in_wrappers = (
-                (in_wrappers[state] - in_wrappers["unpatched"]) / forwards * 1e6 for state in ("patched", "control")
+            fsdp, every = (
+                {state: statistics.median(s[part] for s in wrapper_seconds[state]) for state in states} for part in (0, 1)
             )
+
+            def added_us(seconds: dict[str, float], state: str = "patched") -> float:
+                return (seconds[state] - seconds["unpatched"]) / forwards * 1e6
+
             results.append([blocks, checkpointed, base * 1e3, base * ratio * 1e3, ratio, control,
-                            base * (ratio - 1) / forwards * 1e6, in_wrappers["unpatched"] / forwards * 1e6,
-                            added_in_wrappers, control_in_wrappers])
+                            base * (ratio - 1) / forwards * 1e6, every["unpatched"] / forwards * 1e6,
+                            added_us(fsdp), added_us(every), added_us(every, "control")])
     return results
 
 
@@ -256,21 +263,34 @@ def measure_hook_breakdown(blocks: int, rounds: int, reps: int) -> dict[str, dic
 
 
 def overhead_rows(results: list[list]) -> tuple[list[list[str]], bool]:
-    """Bounds: the step ratio, and the added µs per module forward in the plugin's wrappers.
+    """Bounds: the step ratio, and the added µs per module forward in FSDP's pre+post-forward hooks.
 
-    Note: the µs bound is checked on the wrappers' self time; the µs derived from
-    the whole-step ratio is printed next to it, but at 8 blocks one percent of
-    step noise is already tens of µs per forward. "timers µs/fwd" is the
-    unpatched self time, i.e. what the timing shims alone cost: a fixed amount of
-    Python work, so it shows how fast this machine runs Python inside the step.
+    Note: the µs bound is the issue's "pre+post hook together", checked on the
+    wrappers' self time. With checkpointing the plugin also wraps checkpoint's
+    saved-tensor hooks; their cost is in the "all wrappers" column (and in the
+    step ratio), printed but not the bound's quantity. The µs derived from the
+    whole-step ratio is printed too, but at 8 blocks one percent of step noise is
+    already tens of µs per forward. "timers µs/fwd" is the unpatched self time,
+    i.e. what the timing shims alone cost: a fixed amount of Python work, so it
+    shows how fast this machine runs Python inside the step.
+
+    Note: a ratio above its bound is "noise", not "MISSED", when the A/A ratio of
+    the same rows is as far from 1: the machine did not resolve the difference.
     """
     rows, ok = [], True
-    for blocks, checkpointed, base_ms, ours_ms, ratio, control, step_us, timers_us, hook_us, control_hook_us in results:
-        within = ratio <= BOUND_RATIO and hook_us <= BOUND_ADDED_US
-        ok &= within
+    for (blocks, checkpointed, base_ms, ours_ms, ratio, control, step_us, timers_us, fsdp_us, every_us,
+         control_us) in results:
+        ratio_missed = ratio > BOUND_RATIO and ratio - 1 > abs(control - 1)
+        if fsdp_us > BOUND_ADDED_US or ratio_missed:
+            verdict = "MISSED"
+        elif ratio > BOUND_RATIO:
+            verdict = "noise"
+        else:
+            verdict = "ok"
+        ok &= verdict != "MISSED"
         rows.append([blocks, "yes" if checkpointed else "no", f"{base_ms:.3f}", f"{ours_ms:.3f}", f"{ratio:.4f}",
-                     f"{control:.4f}", f"{step_us:+.1f}", f"{timers_us:.1f}", f"{hook_us:+.1f}", f"{control_hook_us:+.1f}",
-                     "ok" if within else "MISSED"])
+                     f"{control:.4f}", f"{step_us:+.1f}", f"{timers_us:.1f}", f"{fsdp_us:+.1f}", f"{every_us:+.1f}",
+                     f"{control_us:+.1f}", verdict])
     return rows, ok
 
 
@@ -413,7 +433,7 @@ def overhead_section(args: argparse.Namespace) -> bool:
         print(f"\nHook overhead, world size {world} (gloo, CPU, torch {torch.__version__}): "
               f"forward+backward step in CPU time, median over rounds of {args.reps} steps, alternating")
         print(table(["blocks", "ckpt", "unpatched ms", "patched ms", "ratio", "A/A ratio", "µs/fwd (step)",
-                     "timers µs/fwd", "µs/fwd (wrappers)", "A/A µs (wrappers)", "bound"], rows))
+                     "timers µs/fwd", "µs/fwd pre+post", "µs/fwd all wrappers", "A/A µs", "bound"], rows))
     return ok
 
 
