@@ -72,8 +72,6 @@ class FrameRecords:
         self.any_autocast = False  # some module forward in the region ran under autocast
 
 
-_NO_RECORDS = FrameRecords()  # for a frame whose forward ran before install(); never written to
-
 _RECORDS_ATTR = "_torch_fsdp_ext_records"
 
 
@@ -386,10 +384,8 @@ def _attach_records(original: Callable) -> Callable:
     @wraps(original)
     def __init__(hook: Any, frame: Any, *args: Any, **kwargs: Any) -> None:
         original(hook, frame, *args, **kwargs)
-        records = frame.__dict__.get(_RECORDS_ATTR)
-        if records is None:
-            records = frame.__dict__[_RECORDS_ATTR] = FrameRecords()
-        hook.__dict__[_RECORDS_ATTR] = records
+        # Torch gives each frame one checkpoint hook: this is where the frame's records start.
+        hook.__dict__[_RECORDS_ATTR] = frame.__dict__[_RECORDS_ATTR] = FrameRecords()
 
     return __init__
 
@@ -398,7 +394,7 @@ def _find_records(original: Callable) -> Callable:
     @wraps(original)
     def __init__(hook: Any, target_frame_ref: Any, *args: Any, **kwargs: Any) -> None:
         original(hook, target_frame_ref, *args, **kwargs)
-        hook.__dict__[_RECORDS_ATTR] = target_frame_ref().__dict__.get(_RECORDS_ATTR, _NO_RECORDS)
+        hook.__dict__[_RECORDS_ATTR] = target_frame_ref().__dict__.get(_RECORDS_ATTR)
 
     return __init__
 
