@@ -242,3 +242,67 @@ def bf16_compute_reference(master: nn.Module, inputs_per_rank: list[torch.Tensor
     for name, param in master.named_parameters():
         param.grad = grads[name] / len(inputs_per_rank) * grad_scale
     return losses
+
+
+# ---------------------------------------------------------------------------
+# A model whose forward handles mixed parameter dtypes (dtype_strategy="preserve"
+# without param_dtype computes each parameter in its own dtype, as without FSDP)
+# ---------------------------------------------------------------------------
+
+
+class Fp32RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 whatever its weight's dtype; returns the input's dtype."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight.float()).to(x.dtype)
+
+
+class InputCastingLinear(nn.Linear):
+    """A Linear that computes in its weight's dtype and returns the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype)).to(x.dtype)
+
+
+class MixedBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = Fp32RMSNorm(dim)
+        self.w1 = InputCastingLinear(dim, 2 * dim, bias=False)
+        self.w2 = InputCastingLinear(2 * dim, dim, bias=False)
+        self.router = InputCastingLinear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + torch.sigmoid(self.router(h)) * self.w2(nn.functional.silu(self.w1(h)))
+
+
+class MixedLlama(nn.Module):
+    """bf16 embedding and linears, fp32 norms and routers: trains with or without param_dtype."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(MixedBlock(dim) for _ in range(layers))
+        self.norm = Fp32RMSNorm(dim)
+        self.head = InputCastingLinear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+def mixed_llama(seed: int = 0, **kwargs) -> MixedLlama:
+    torch.manual_seed(seed)
+    model = MixedLlama(**kwargs).to(torch.bfloat16)
+    for name, module in model.named_modules():
+        if isinstance(module, Fp32RMSNorm) or name.endswith("router"):
+            module.float()
+    return model

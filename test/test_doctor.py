@@ -61,9 +61,9 @@ recompute  yes     yes     not reproduced → ok; replays root input move, autoc
                     textwrap.dedent(
                         """
                         # Sabotage the dtype fix in every process the doctor starts.
-                        from torch_fsdp_ext import _dtype_normalization as d
-                        d.DtypeNormalization.upcast_before_sharding = lambda self, *args: None
-                        d.DtypeNormalization.normalize_sharded_group = lambda self, group: None
+                        from torch_fsdp_ext import _dtype_fix as d
+                        d.DtypeFix.before_sharding = lambda self, *args: None
+                        d.DtypeFix.prepare_sharded_group = lambda self, group: False
                         """
                     )
                 )

@@ -14,7 +14,7 @@ from torch.testing._internal.common_utils import run_tests
 
 import torch_fsdp_ext
 from torch_fsdp_ext import MixedParamDtypeError, _compat
-from torch_fsdp_ext._dtype_normalization import cast_exclusion_reason
+from torch_fsdp_ext._dtype_plan import cast_exclusion_reason
 
 from common import (
     CPUOffloadPolicy,

@@ -7,7 +7,8 @@
 import os as _os
 import warnings as _warnings
 
-from ._dtype_normalization import MixedParamDtypeError, STRATEGIES
+from ._dtype_plan import MixedParamDtypeError
+from ._dtype_strategies import STRATEGIES
 from ._install import FIX_NAMES, FixStatus, Status, install, installed, status, uninstall
 
 __all__ = [

@@ -32,6 +32,9 @@ FSDP2_PACKAGES = (
 # (name used in this package, module inside the FSDP2 package or absolute module, attribute)
 PRIVATE_SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("FSDPParamGroup", "._fsdp_param_group", "FSDPParamGroup"),
+    ("FSDPParam", "._fsdp_param", "FSDPParam"),
+    # The module object: its ``foreach_reduce`` name is what ``FSDPParamGroup.post_backward`` calls.
+    ("fsdp_param_group_module", "", "_fsdp_param_group"),
     ("FSDPState", "._fsdp_state", "FSDPState"),
     ("TrainingState", "._fsdp_common", "TrainingState"),
     ("cast_fp_tensor", "._fsdp_common", "_cast_fp_tensor"),
@@ -47,6 +50,8 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, str], ...] = (
 WRAPPED_METHODS: tuple[tuple[str, str], ...] = (
     ("FSDPParamGroup", "__init__"),
     ("FSDPParamGroup", "_init_mp_dtypes"),
+    ("FSDPParam", "to_sharded_dtensor"),
+    ("fsdp_param_group_module", "foreach_reduce"),
     ("FSDPState", "_pre_forward"),
     ("FSDPState", "_post_forward"),
     ("checkpoint_hook", "__init__"),
@@ -82,7 +87,7 @@ class TorchInternals:
 
 
 def _resolve(package: str, module_name: str, attr: str) -> Any:
-    absolute = package + module_name if module_name.startswith(".") else module_name
+    absolute = package + module_name if module_name.startswith(".") or not module_name else module_name
     return getattr(importlib.import_module(absolute), attr)
 
 
@@ -131,8 +136,9 @@ def symbol_names(internals: TorchInternals, names: tuple[str, ...]) -> list[str]
     out = []
     for owner, method in WRAPPED_METHODS:
         if owner in names and owner in internals.symbols:
-            cls = internals.symbols[owner]
-            out.append(f"{cls.__module__}.{cls.__qualname__}.{method}")
+            obj = internals.symbols[owner]
+            prefix = obj.__name__ if isinstance(obj, types.ModuleType) else f"{obj.__module__}.{obj.__qualname__}"
+            out.append(f"{prefix}.{method}")
     return out
 
 
@@ -158,6 +164,11 @@ def bind_param_group_init(init: Callable, args: tuple, kwargs: dict) -> inspect.
 @functools.lru_cache(maxsize=4)
 def _param_group_init_signature(init: Callable) -> inspect.Signature:
     return inspect.signature(init)
+
+
+def group_name(group: Any) -> str:
+    """The FQN of the module a param group belongs to; ``'<root>'`` for the root module."""
+    return getattr(group, "_module_fqn", None) or "<root>"
 
 
 def group_process_group(group: Any) -> Any:
@@ -208,6 +219,109 @@ def change_sharded_param_dtype(fsdp_param: Any, dtype: torch.dtype) -> None:
 
 def local_shard_numel(fsdp_param: Any) -> int:
     return fsdp_param.sharded_param._local_tensor.numel()
+
+
+# ---------------------------------------------------------------------------
+# Groups that keep mixed dtypes (dtype_strategy="preserve")
+# ---------------------------------------------------------------------------
+
+# Owners whose methods the dtype fix wraps where the reduce-scatter casts its whole output to one dtype.
+MIXED_REDUCE_OWNERS = ("FSDPParamGroup", "FSDPParam", "fsdp_param_group_module")
+
+# Set on each FSDPParam of a mixed group (releases without per-parameter gradient dtypes):
+# (the parameter's own dtype, the group's reduce dtype or None).
+_MIXED_GROUP_ATTR = "_torch_fsdp_ext_mixed_dtypes"
+
+
+@functools.lru_cache(maxsize=None)
+def probe_reduce_casts_grads_per_param() -> bool:
+    """Does this release give each parameter its gradient in its own dtype after the reduce-scatter?
+
+    Note: up to 2.14 ``foreach_reduce`` takes the group's ``orig_dtype`` and casts
+    the whole reduce output to it; 2.15 dropped that argument and casts per
+    parameter (``sharded_grad_dtype``).
+    """
+    foreach_reduce = load_internals().fsdp_param_group_module.foreach_reduce
+    return "orig_dtype" not in inspect.signature(foreach_reduce).parameters
+
+
+def init_mp_dtypes_of_mixed_group(init_mp_dtypes: Callable, group: Any) -> None:
+    """Run FSDP's ``_init_mp_dtypes`` on a group that keeps mixed trainable dtypes.
+
+    Note: FSDP's own code sets every per-parameter dtype attribute; only its
+    uniform-dtype assertion must not see the trainable parameters, which it
+    skips for a group without any. ``requires_grad`` is restored right after,
+    before any autograd graph can record it.
+    """
+    trainable = [p.sharded_param for p in group.fsdp_params if p.sharded_param.requires_grad]
+    for param in trainable:
+        param.requires_grad_(False)
+    try:
+        init_mp_dtypes(group)
+    finally:
+        for param in trainable:
+            param.requires_grad_(True)
+    if probe_reduce_casts_grads_per_param():
+        return
+    trainable_params = [p for p in group.fsdp_params if p.sharded_param.requires_grad]
+    reduce_dtypes = {p.reduce_dtype for p in trainable_params}
+    if len(reduce_dtypes) > 1:
+        raise AssertionError(f"FSDP expects uniform reduce dtype but got {reduce_dtypes}")
+    reduce_dtype = next(iter(reduce_dtypes), None)
+    for fsdp_param in group.fsdp_params:
+        fsdp_param.__dict__[_MIXED_GROUP_ATTR] = (fsdp_param.orig_dtype, reduce_dtype)
+
+
+def forget_mixed_group(group: Any) -> None:
+    for fsdp_param in group.fsdp_params:
+        fsdp_param.__dict__.pop(_MIXED_GROUP_ATTR, None)
+
+
+def wrap_reduce_for_mixed_groups(patches: Any) -> None:
+    """Reduce a mixed group's gradients in one dtype and cast each back to its parameter's dtype.
+
+    Note: ``foreach_reduce`` gets the group's reduce dtype (or the promoted dtype of
+    its gradients) and no output dtype, so the reduce output keeps the reduce
+    dtype; ``to_sharded_dtensor``, which wraps each parameter's slice of it as
+    the new ``.grad``, then casts the slice to the parameter's dtype. Gradient
+    accumulation adds the slice in place into the existing ``.grad``, which
+    keeps its dtype. Groups that are not mixed pass straight through.
+    """
+    internals = load_internals()
+
+    def wrap_foreach_reduce(original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original, updated=())
+        def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
+            fsdp_params = args[0] if args else kwargs["fsdp_params"]
+            mixed = fsdp_params[0].__dict__.get(_MIXED_GROUP_ATTR) if fsdp_params else None
+            if mixed is None:
+                return original(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            grads = bound.arguments["unsharded_grads"]
+            grad_dtypes = {g.dtype for g in grads}
+            reduce_dtype = mixed[1] or functools.reduce(torch.promote_types, grad_dtypes)
+            if len(grad_dtypes) > 1:
+                grads[:] = [g.to(reduce_dtype) for g in grads]  # the list owns the gradients
+            bound.arguments["orig_dtype"] = None
+            bound.arguments["reduce_dtype"] = reduce_dtype
+            return original(*bound.args, **bound.kwargs)
+
+        return foreach_reduce
+
+    def wrap_to_sharded_dtensor(original: Callable) -> Callable:
+        @functools.wraps(original, updated=())
+        def to_sharded_dtensor(fsdp_param: Any, tensor: torch.Tensor) -> Any:
+            mixed = fsdp_param.__dict__.get(_MIXED_GROUP_ATTR)
+            if mixed is not None and tensor.dtype != mixed[0]:
+                tensor = tensor.to(mixed[0])
+            return original(fsdp_param, tensor)
+
+        return to_sharded_dtensor
+
+    patches.wrap(internals.fsdp_param_group_module, "foreach_reduce", wrap_foreach_reduce)
+    patches.wrap(internals.FSDPParam, "to_sharded_dtensor", wrap_to_sharded_dtensor)
 
 
 # ---------------------------------------------------------------------------

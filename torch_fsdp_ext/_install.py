@@ -11,7 +11,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from . import _compat
-from ._dtype_normalization import DtypeNormalization
+from ._dtype_fix import DtypeFix
 from ._patching import PatchSet
 from ._recompute import RecomputeReplay
 
@@ -43,7 +43,7 @@ class Status:
 
 def _make_fix(name: str, internals: _compat.TorchInternals, dtype_strategy: str) -> Any:
     if name == "dtype":
-        return DtypeNormalization(internals, dtype_strategy)
+        return DtypeFix(internals, dtype_strategy)
     return RecomputeReplay(internals)
 
 
@@ -72,8 +72,9 @@ def _warn_unsupported(internals: _compat.TorchInternals) -> None:
 def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str = "upcast") -> list[str]:
     """Install the fixes this torch release needs (all by default); idempotent.
 
-    ``dtype_strategy``: ``"upcast"`` keeps fp32 master weights; ``"error"`` only
-    replaces FSDP's assertion with an error naming each parameter.
+    ``dtype_strategy``: ``"upcast"`` keeps fp32 master weights; ``"preserve"`` trains
+    each parameter in its own dtype; ``"error"`` only replaces FSDP's assertion with
+    an error naming each parameter.
     Returns the names of the fixes active after the call.
     """
     names = _check_names(fixes)
@@ -85,8 +86,7 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str = "upcast
         for name in names:
             if name in _active:
                 if name == "dtype":
-                    DtypeNormalization(internals, dtype_strategy)  # validates the strategy
-                    _active[name][0].strategy = dtype_strategy
+                    _active[name][0].set_strategy(dtype_strategy)
                 continue
             fix = _make_fix(name, internals, dtype_strategy)
             if not fix.needed()[0]:
@@ -141,7 +141,7 @@ def status() -> Status:
         needed, reason = fix.needed()
         details: dict[str, Any] = {}
         if name == "dtype":
-            details["strategy"] = fix.strategy
+            details["strategy"] = fix.strategy.name
         else:
             details["replays"] = fix.replays()
             details["rebound_hooks"] = patches.rebound_hooks if patches is not None else 0

@@ -1,0 +1,140 @@
+"""The ``dtype`` fix: one FSDP2 param group may hold trainable params of several dtypes.
+
+FSDP2 all-gathers and reduce-scatters a group's parameters as one flat buffer, so
+``FSDPParamGroup._init_mp_dtypes`` insists that all trainable parameters share one
+original dtype:
+
+    AssertionError: FSDP expects uniform original parameter dtype but got {torch.bfloat16, torch.float32}
+
+Two hooks hand a mixed group to the chosen strategy (``_dtype_strategies.py``):
+
+- before ``FSDPParamGroup.__init__`` shards anything (the cheapest moment to cast);
+- right before ``_init_mp_dtypes`` (lazy init, first forward), which also catches
+  dtype changes made after ``fully_shard`` and groups built before ``install()``.
+
+A group that stays mixed (``preserve``) passes FSDP's check through
+``_compat.init_mp_dtypes_of_mixed_group``; on releases whose reduce-scatter casts
+the whole output to one dtype, ``_compat`` also wraps that path so that each
+parameter receives its gradient in its own dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from . import _compat
+from ._dtype_plan import MixedParamDtypeError, ParamEntry, plan_group_dtypes
+from ._dtype_strategies import make_strategy
+from ._patching import PatchSet, wraps
+from ._rank_consistency import check_rank_consistency
+
+
+class DtypeFix:
+    """The ``dtype`` fix."""
+
+    name = "dtype"
+    summary = "mixed trainable parameter dtypes in one fully_shard group"
+
+    def __init__(self, internals: _compat.TorchInternals, strategy: str = "upcast") -> None:
+        self.internals = internals
+        self.strategy = make_strategy(strategy)
+        self.active = False
+        self.counts_frozen = False
+
+    def set_strategy(self, name: str) -> None:
+        self.strategy = make_strategy(name)
+
+    def needed(self) -> tuple[bool, str]:
+        rejects = _compat.probe_rejects_mixed_trainable_dtypes()
+        if rejects is False:
+            return False, "this torch accepts mixed trainable dtypes in one group"
+        if rejects is None:
+            return True, "could not probe _init_mp_dtypes; assuming the uniform-dtype check is there"
+        return True, "_init_mp_dtypes asserts one dtype for all trainable params of a group"
+
+    def wrapped_symbols(self) -> list[str]:
+        owners = ("FSDPParamGroup",) if _compat.probe_reduce_casts_grads_per_param() else _compat.MIXED_REDUCE_OWNERS
+        return _compat.symbol_names(self.internals, owners)
+
+    def install(self, patches: PatchSet) -> None:
+        self.counts_frozen = bool(_compat.probe_dtype_check_counts_frozen())
+        group_cls = self.internals.FSDPParamGroup
+        patches.wrap(group_cls, "__init__", self._wrap_init)
+        patches.wrap(group_cls, "_init_mp_dtypes", self._wrap_init_mp_dtypes)
+        if not _compat.probe_reduce_casts_grads_per_param():
+            _compat.wrap_reduce_for_mixed_groups(patches)
+        self.active = True
+
+    # -- hook 1: before sharding ------------------------------------------------
+
+    def _wrap_init(self, original: Callable) -> Callable:
+        fix = self
+
+        @wraps(original)
+        def __init__(group: Any, *args: Any, **kwargs: Any) -> None:
+            if fix.active and fix.strategy.name == "upcast":
+                bound = _compat.bind_param_group_init(original, (group, *args), kwargs)
+                fix.before_sharding(bound.arguments["params"], bound.arguments["modules"], bound.arguments["mp_policy"])
+            original(group, *args, **kwargs)
+
+        return __init__
+
+    def before_sharding(self, params: list[torch.nn.Parameter], modules: tuple, mp_policy: Any) -> None:
+        names = {}
+        for module in reversed(modules):
+            prefix = type(module).__name__
+            for name, param in module.named_parameters(remove_duplicate=False):
+                names[id(param)] = f"{prefix}:{name}"
+        plan = plan_group_dtypes([ParamEntry(names.get(id(p), f"<param {i}>"), p, p) for i, p in enumerate(params)])
+        group_name = ", ".join(type(m).__name__ for m in modules)
+        self.strategy.before_sharding(plan, group_name, mp_policy)
+
+    # -- hook 2: right before the uniform-dtype check -----------------------------
+
+    def _wrap_init_mp_dtypes(self, original: Callable) -> Callable:
+        fix = self
+
+        @wraps(original)
+        def _init_mp_dtypes(group: Any) -> None:
+            if not fix.active:
+                return original(group)
+            stays_mixed = fix.prepare_sharded_group(group)
+            check_rank_consistency(group)
+            if stays_mixed:
+                return _compat.init_mp_dtypes_of_mixed_group(original, group)
+            _compat.forget_mixed_group(group)
+            if fix.counts_frozen:
+                return fix._init_mp_dtypes_trainable_only(original, group)
+            return original(group)
+
+        return _init_mp_dtypes
+
+    def prepare_sharded_group(self, group: Any) -> bool:
+        """Hand a mixed group to the strategy; True if it goes on with mixed dtypes."""
+        params = [
+            ParamEntry(_compat.fsdp_param_fqn(p) or f"<param {i}>", p.sharded_param, p)
+            for i, p in enumerate(group.fsdp_params)
+        ]
+        plan = plan_group_dtypes(params)
+        if not plan.is_mixed:
+            return False
+        if self.counts_frozen and self.strategy.name == "preserve":
+            raise MixedParamDtypeError(
+                "torch_fsdp_ext: dtype_strategy='preserve' is not supported on this torch: its _init_mp_dtypes "
+                "also counts frozen parameters. Use dtype_strategy='upcast'."
+            )
+        return self.strategy.at_lazy_init(group, plan, repr(_compat.group_name(group)))
+
+    @staticmethod
+    def _init_mp_dtypes_trainable_only(original: Callable, group: Any) -> None:
+        """For releases whose check also counts frozen params: check trainable ones only."""
+        everything = group.fsdp_params
+        group.fsdp_params = [p for p in everything if _compat.fsdp_param_is_trainable(p)]
+        try:
+            original(group)
+        finally:
+            group.fsdp_params = everything
+        for p in everything:
+            p.init_dtype_attrs(_compat.param_mp_policy(group, p))
