@@ -271,7 +271,7 @@ torch_fsdp_ext: FSDP2 param group '<root>' needs one dtype for its trainable par
   1.weight: float32
   0.weight: bfloat16
   0.bias: bfloat16
-Fix: install the plugin with dtype_strategy='upcast' to keep fp32 master weights, or cast these parameters to one dtype before fully_shard (e.g. model.float()), or freeze them (requires_grad_(False)).""",
+Fix: install the plugin with dtype_strategy='upcast' to keep fp32 master weights or dtype_strategy='preserve' to train each parameter in its own dtype, or cast these parameters to one dtype before fully_shard (e.g. model.float()), or freeze them (requires_grad_(False)).""",
         )
 
     @plugin_specific

@@ -6,6 +6,7 @@
     python tools/bench_cpu.py memory         # 1,000 checkpointed iterations: peak memory and live objects
     python tools/bench_cpu.py init           # cost of the dtype upcast vs model.float() before fully_shard
     python tools/bench_cpu.py scaling        # fake process group: 8, 128, 1024 ranks
+    python tools/bench_cpu.py preserve       # training-state bytes and step time: model.float(), upcast, preserve
     python tools/bench_cpu.py all --quick    # smoke test (CI): tiny sizes, bounds not enforced
 
 Note: patched and unpatched runs alternate in blocks inside one process (and, for
@@ -408,6 +409,191 @@ def measure_scaling(world_sizes: list[int], reps: int) -> list[list]:
     return rows
 
 
+class LlamaLikeBlock(nn.Module):
+    """bf16 attention-like and MLP linears, fp32 RMSNorm weights (computed in fp32)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(dim)
+        self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.mlp_norm = nn.RMSNorm(dim)
+        self.w13 = nn.Linear(dim, 8 * dim, bias=False)
+        self.w2 = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.wqkv(self.attn_norm(x)).chunk(3, dim=-1)
+        x = x + self.wo(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.w2(nn.functional.silu(gate) * up)
+
+
+class LlamaLike(nn.Module):
+    def __init__(self, dim: int, layers: int, vocab: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaLikeBlock(dim) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+# setup -> (cast the model to fp32 by hand, dtype strategy or None for no plugin)
+PRESERVE_SETUPS = {"model.float(), no plugin": (True, None), "upcast": (False, "upcast"), "preserve": (False, "preserve")}
+BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def build_llama_like(dim: int, layers: int, vocab: int, setup: str) -> nn.Module:
+    cast_by_hand, strategy = PRESERVE_SETUPS[setup]
+    torch_fsdp_ext.uninstall()
+    if strategy is not None:
+        torch_fsdp_ext.install(["dtype"], dtype_strategy=strategy)
+    torch.manual_seed(0)
+    model = LlamaLike(dim, layers, vocab).to(torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, nn.RMSNorm):
+            module.float()
+    if cast_by_hand:
+        model.float()
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=BF16_FP32)
+    fully_shard(model, mp_policy=BF16_FP32)
+    return model
+
+
+def lm_step(model: nn.Module, tokens: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    logits = model(tokens)
+    nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)  # keep the gradients allocated: they count as training state
+
+
+def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    def local_bytes(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    state = [v for p in params for v in optimizer.state[p].values() if torch.is_tensor(v)]
+    return {
+        "params": sum(local_bytes(p) for p in params),
+        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(local_bytes(v) for v in state),
+    }
+
+
+def expected_state_bytes(model: nn.Module) -> int:
+    """Parameter + gradient + AdamW exp_avg/exp_avg_sq of the local shards, 4 tensors of the param's dtype."""
+    return sum(4 * p.to_local().numel() * p.dtype.itemsize for p in model.parameters())
+
+
+def run_preserve_bytes_rank(rank: int, world: int, init_file: str, setup: str, dims: tuple, result_file: str) -> None:
+    import resource
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dim, layers, vocab, steps = dims
+    model = build_llama_like(dim, layers, vocab, setup)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    tokens = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(rank))
+    for _ in range(steps):
+        lm_step(model, tokens, optimizer)
+    result = training_state_bytes(model, optimizer)
+    # AdamW's per-parameter "step" counters are tensors too: count them as what they are, not as arithmetic.
+    result["step_counters"] = sum(optimizer.state[p]["step"].numel() * optimizer.state[p]["step"].element_size()
+                                  for p in model.parameters())
+    result["optimizer"] -= result["step_counters"]
+    result["expected"] = expected_state_bytes(model)
+    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        torch.save(gathered, result_file)
+    dist.destroy_process_group()
+
+
+def run_preserve_timing_rank(rank: int, world: int, init_file: str, dims: tuple, rounds: int, result_file: str) -> None:
+    """Upcast, preserve and a second upcast model (the A/A control) timed in alternating rounds."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    dim, layers, vocab, reps = dims
+    tokens = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(rank))
+    runs = {}
+    for name, setup in (("upcast", "upcast"), ("preserve", "preserve"), ("upcast A/A", "upcast")):
+        model = build_llama_like(dim, layers, vocab, setup)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        lm_step(model, tokens, optimizer)  # lazy init under this setup's strategy, warm-up
+        runs[name] = (model, optimizer)
+    torch_fsdp_ext.install(["dtype"])  # every model keeps the layout its strategy gave it at lazy init
+    ratios: dict[str, list[float]] = {"preserve": [], "upcast A/A": []}
+    for _ in range(rounds):
+        times = {}
+        for name, (model, optimizer) in runs.items():
+            samples = []
+            for _ in range(reps):
+                dist.barrier()
+                start = time.process_time()
+                lm_step(model, tokens, optimizer)
+                samples.append(time.process_time() - start)
+            times[name] = statistics.median(samples)
+        for name in ratios:
+            ratios[name].append(times[name] / times["upcast"])
+    if rank == 0:
+        torch.save({name: statistics.median(r) for name, r in ratios.items()}, result_file)
+    dist.destroy_process_group()
+
+
+def spawn_ranks(fn, world: int, *args) -> Any:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "result.pt")
+        mp.start_processes(fn, args=(world, os.path.join(tmp, "init"), *args, result_file), nprocs=world,
+                           start_method="spawn")
+        return torch.load(result_file)
+
+
+BOUND_PRESERVE_BYTES_RATIO = 0.52
+BOUND_PRESERVE_ARITHMETIC = 0.01
+BOUND_PRESERVE_STEP_RATIO = 1.02
+
+
+def preserve_section(args: argparse.Namespace) -> bool:
+    world = 2
+    dim, layers, vocab = args.preserve_bytes_dims
+    rows, state = [], {}
+    for setup in PRESERVE_SETUPS:
+        per_rank = spawn_ranks(run_preserve_bytes_rank, world, setup, (dim, layers, vocab, 3))
+        r = per_rank[0]
+        total = r["params"] + r["grads"] + r["optimizer"]
+        state[setup] = total
+        rows.append([setup, r["params"], r["grads"], r["optimizer"], total, r["expected"],
+                     f"{total / r['expected'] - 1:+.4%}", f"{max(x['peak_rss'] for x in per_rank) / 2**20:.0f}"])
+    print(f"\nTraining state per rank after 3 AdamW steps, Llama-like d={dim}, {layers} layers, vocab {vocab} "
+          f"(bf16 linears and embedding, fp32 RMSNorm weights), {world} gloo ranks, param bf16 / reduce fp32:")
+    print(table(["setup", "param B", "grad B", "AdamW state B", "total B", "arithmetic B", "vs arithmetic",
+                 "peak RSS MiB"], rows))
+    bytes_ratio = state["preserve"] / state["upcast"]
+    arithmetic_ok = all(abs(float(row[6].rstrip("%")) / 100) <= BOUND_PRESERVE_ARITHMETIC for row in rows)
+    print(f"preserve / upcast training-state bytes {bytes_ratio:.4f} (bound {BOUND_PRESERVE_BYTES_RATIO}); "
+          f"every setup within {BOUND_PRESERVE_ARITHMETIC:.0%} of the arithmetic: {arithmetic_ok}")
+
+    dim, layers, vocab = args.preserve_timing_dims
+    ratios = spawn_ranks(run_preserve_timing_rank, world, (dim, layers, vocab, args.reps), args.rounds)
+    step_ok = ratios["preserve"] <= BOUND_PRESERVE_STEP_RATIO or abs(ratios["upcast A/A"] - 1) >= abs(
+        ratios["preserve"] - 1
+    )
+    verdict = "ok" if ratios["preserve"] <= BOUND_PRESERVE_STEP_RATIO else ("noise" if step_ok else "MISSED")
+    print(f"step time (CPU time, d={dim}, {layers} layers, {world} ranks, median of {args.rounds} alternating "
+          f"rounds of {args.reps} steps): preserve/upcast {ratios['preserve']:.4f}, A/A upcast/upcast "
+          f"{ratios['upcast A/A']:.4f} (bound {BOUND_PRESERVE_STEP_RATIO}): {verdict}")
+    return bytes_ratio <= BOUND_PRESERVE_BYTES_RATIO and arithmetic_ok and step_ok
+
+
 # -- driver ------------------------------------------------------------------------------
 
 
@@ -505,17 +691,19 @@ def scaling_section(args: argparse.Namespace) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("section", choices=["all", "overhead", "breakdown", "memory", "init", "scaling"])
+    parser.add_argument("section", choices=["all", "overhead", "breakdown", "memory", "init", "scaling", "preserve"])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, bounds reported but not enforced")
     args = parser.parse_args()
     if args.quick:
         args.sizes, args.rounds, args.reps, args.iterations = [8], 2, 3, 20
         args.fraction, args.dim, args.layers, args.worlds = 0.5, 64, 4, [8, 128]
+        args.preserve_bytes_dims, args.preserve_timing_dims = (64, 2, 128), (32, 2, 64)
     else:
         args.sizes, args.rounds, args.reps, args.iterations = [8, 32, 128], 10, 3, 1000
         args.fraction, args.dim, args.layers, args.worlds = 0.5, 1024, 16, [8, 128, 1024]
+        args.preserve_bytes_dims, args.preserve_timing_dims = (1024, 8, 4096), (128, 4, 512)
     sections = {"overhead": overhead_section, "breakdown": breakdown_section, "memory": memory_section,
-                "init": init_section, "scaling": scaling_section}
+                "init": init_section, "scaling": scaling_section, "preserve": preserve_section}
     chosen = list(sections) if args.section == "all" else [args.section]
     print(f"torch {torch.__version__}, torch_fsdp_ext {torch_fsdp_ext.__version__}, {os.cpu_count()} CPUs")
     ok = all([sections[name](args) for name in chosen])

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _compat
+from ._dtype_plan import MixedParamDtypeError
 from ._install import FIX_NAMES, install, status, uninstall
 
 
@@ -39,22 +40,37 @@ def choose_backend(world_size: int) -> Backend:
 # -- scenarios (run on every rank) -------------------------------------------------
 
 
-def _mixed_dtype_scenario(device: torch.device) -> None:
-    """Seed 000: bf16 linears with an fp32 norm in one group, bf16 compute, a tiny SGD step."""
+def _mixed_dtype_scenario(device: torch.device, strategy: str) -> None:
+    """Seed 000: bf16 linear with an fp32 norm in one group, bf16 compute, one optimizer step.
+
+    Checks the result of the active strategy: fp32 masters that an lr=1e-6 step moves
+    (upcast), every parameter and gradient in its loaded dtype (preserve), or the
+    error that names the parameters (error).
+    """
     fully_shard, MixedPrecisionPolicy = _compat.fsdp2_api().fully_shard, _compat.fsdp2_api().MixedPrecisionPolicy
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)).to(device)
     model[0].to(torch.bfloat16)
     fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6 if strategy == "upcast" else 1e-2)
     before = model[0].weight.full_tensor().clone()
-    model(torch.randn(4, 16, device=device)).float().pow(2).sum().backward()
+    try:
+        model(torch.randn(4, 16, device=device)).float().pow(2).sum().backward()
+    except MixedParamDtypeError:
+        if strategy == "error":
+            return  # the configured outcome
+        raise
     optimizer.step()
-    if {p.dtype for p in model.parameters()} != {torch.float32}:
-        raise ValueError("wrong result: master weights are not all fp32")
+    if strategy == "error":
+        raise ValueError("wrong result: dtype_strategy='error' let a mixed group train")
+    expected = {torch.float32} if strategy == "upcast" else {torch.bfloat16, torch.float32}
+    if {p.dtype for p in model.parameters()} != expected:
+        raise ValueError(f"wrong result: parameter dtypes are not {sorted(map(str, expected))}")
+    if any(p.grad.dtype != p.dtype for p in model.parameters()):
+        raise ValueError("wrong result: a gradient's dtype differs from its parameter's")
     if torch.equal(before, model[0].weight.full_tensor()):
-        raise ValueError("wrong result: an lr=1e-6 step did not change the fp32 master weights")
+        raise ValueError("wrong result: an optimizer step did not change the weights")
 
 
 class _SeedModule(nn.Module):
@@ -66,7 +82,7 @@ class _SeedModule(nn.Module):
         return self.linear1(nn.functional.gelu(x))
 
 
-def _recompute_scenario(device: torch.device) -> None:
+def _recompute_scenario(device: torch.device, strategy: str) -> None:
     """Seed 004: checkpoint(fully_shard module) under autocast; grads must match no checkpoint."""
     from torch.utils.checkpoint import checkpoint
 
@@ -95,16 +111,16 @@ def _baseline_scenario(device: torch.device) -> None:
 SCENARIOS = {"dtype": _mixed_dtype_scenario, "recompute": _recompute_scenario}
 
 
-def _outcome(fn, device: torch.device) -> str:
+def _outcome(fn, device: torch.device, strategy: str) -> str:
     try:
-        fn(device)
+        fn(device, strategy)
     except Exception as e:  # noqa: BLE001 - the outcome is the report
         message = str(e).splitlines()[0] if str(e) else ""
         return "wrong result" if message.startswith("wrong result") else type(e).__name__
     return "ok"
 
 
-def _rank_main(rank: int, backend: Backend, init_file: str, result_file: str) -> None:
+def _rank_main(rank: int, backend: Backend, strategy: str, init_file: str, result_file: str) -> None:
     device = torch.device(backend.device_type, rank) if backend.device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -120,9 +136,9 @@ def _rank_main(rank: int, backend: Backend, init_file: str, result_file: str) ->
             if "baseline" in results:
                 break
             uninstall()
-            without = _outcome(fn, device)
-            install()
-            results[name] = {"without": without, "with": _outcome(fn, device)}
+            without = _outcome(fn, device, strategy)
+            install(dtype_strategy=strategy)
+            results[name] = {"without": without, "with": _outcome(fn, device, strategy)}
     except Exception:  # noqa: BLE001
         results["error"] = traceback.format_exc()
     finally:
@@ -132,13 +148,13 @@ def _rank_main(rank: int, backend: Backend, init_file: str, result_file: str) ->
             json.dump(results, f)
 
 
-def run_self_test(backend: Backend, timeout: float = 120.0) -> dict:
+def run_self_test(backend: Backend, strategy: str, timeout: float = 120.0) -> dict:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         init_file, result_file = os.path.join(tmp, "init"), os.path.join(tmp, "result.json")
         context = mp.start_processes(
-            _rank_main, args=(backend, init_file, result_file), nprocs=backend.world_size,
+            _rank_main, args=(backend, strategy, init_file, result_file), nprocs=backend.world_size,
             start_method="spawn", join=False,
         )
         deadline = time.monotonic() + timeout
@@ -181,6 +197,8 @@ def fix_rows(report, outcomes: dict) -> tuple[list[list[str]], bool]:
             healthy &= passed or not fix.needed
         else:
             cell = "not run"
+        if name == "dtype" and fix.details.get("strategy"):
+            cell += f"; strategy {fix.details['strategy']}"
         if name == "recompute" and fix.details.get("replays"):
             ours = [what for what, who in fix.details["replays"].items() if who == "torch_fsdp_ext"]
             cell += f"; replays {', '.join(ours)}"
@@ -203,8 +221,9 @@ def doctor(world_size: int = 2) -> int:
         print("unsupported torch: " + "; ".join(report.missing))
         print("the plugin patches nothing here; torch behaves as without it")
         return 0
-    print(f"self-test: {backend.world_size} rank(s), {backend.name} on {backend.device_type}")
-    outcomes = run_self_test(backend)
+    strategy = report.fixes["dtype"].details.get("strategy", "upcast")
+    print(f"self-test: {backend.world_size} rank(s), {backend.name} on {backend.device_type}; dtype strategy {strategy!r}")
+    outcomes = run_self_test(backend, strategy)
     if "error" in outcomes:
         print(f"self-test could not run:\n{outcomes['error']}")
         return 1
