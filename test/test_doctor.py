@@ -38,7 +38,7 @@ class TestDoctor(TestCase):
                 table(result.stdout),
                 """\
 fix        needed  active  self-test (without plugin → with plugin)
-dtype      yes     yes     AssertionError reproduced → fixed
+dtype      yes     yes     AssertionError reproduced → fixed; strategy upcast
 recompute  yes     yes     CheckpointError reproduced → fixed; replays input cast, output cast, root input move, autocast state""",
             )
         elif HAS_DTYPE_BUG:  # e.g. torch 2.13
@@ -46,7 +46,7 @@ recompute  yes     yes     CheckpointError reproduced → fixed; replays input c
                 table(result.stdout),
                 """\
 fix        needed  active  self-test (without plugin → with plugin)
-dtype      yes     yes     AssertionError reproduced → fixed
+dtype      yes     yes     AssertionError reproduced → fixed; strategy upcast
 recompute  yes     yes     not reproduced → ok; replays root input move, autocast state""",
             )
         else:

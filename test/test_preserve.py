@@ -86,9 +86,9 @@ class Reference:
             losses.append(loss.detach())
             per_rank_grads.append(accumulated or {n: p.grad for n, p in compute.named_parameters()})
         # Every FSDP group of this model mixes dtypes, so without reduce_dtype it reduces in
-        # the promoted dtype of its gradients.
+        # the promoted dtype of its parameters (each gradient follows its parameter's dtype).
         reduce_dtype = self.reduce_dtype or functools.reduce(
-            torch.promote_types, {g.dtype for grads in per_rank_grads for g in grads.values()}
+            torch.promote_types, {p.dtype for p in self.model.parameters()}
         )
         for name, param in self.model.named_parameters():
             total = per_rank_grads[0][name].to(reduce_dtype)

@@ -281,7 +281,7 @@ def wrap_reduce_for_mixed_groups(patches: Any) -> None:
     """Reduce a mixed group's gradients in one dtype and cast each back to its parameter's dtype.
 
     Note: ``foreach_reduce`` gets the group's reduce dtype (or the promoted dtype of
-    its gradients) and no output dtype, so the reduce output keeps the reduce
+    its parameters, as 2.15 reduces) and no output dtype, so the reduce output keeps the reduce
     dtype; ``to_sharded_dtensor``, which wraps each parameter's slice of it as
     the new ``.grad``, then casts the slice to the parameter's dtype. Gradient
     accumulation adds the slice in place into the existing ``.grad``, which
@@ -300,9 +300,11 @@ def wrap_reduce_for_mixed_groups(patches: Any) -> None:
                 return original(*args, **kwargs)
             bound = signature.bind(*args, **kwargs)
             grads = bound.arguments["unsharded_grads"]
-            grad_dtypes = {g.dtype for g in grads}
-            reduce_dtype = mixed[1] or functools.reduce(torch.promote_types, grad_dtypes)
-            if len(grad_dtypes) > 1:
+            # As torch 2.15 does: without reduce_dtype, reduce in the promoted dtype of the parameters.
+            reduce_dtype = mixed[1] or functools.reduce(
+                torch.promote_types, {p.__dict__[_MIXED_GROUP_ATTR][0] for p in fsdp_params}
+            )
+            if len({g.dtype for g in grads}) > 1:
                 grads[:] = [g.to(reduce_dtype) for g in grads]  # the list owns the gradients
             bound.arguments["orig_dtype"] = None
             bound.arguments["reduce_dtype"] = reduce_dtype

@@ -84,8 +84,9 @@ class PreserveStrategy:
     """Native mixed groups: every parameter, gradient and optimizer state keeps its own dtype.
 
     Gradients of the group are reduced in one dtype (``reduce_dtype`` when set,
-    else the promoted dtype of the gradients) and each parameter receives its
-    gradient cast to its own dtype after the reduce-scatter (``_compat``).
+    else the promoted dtype of the parameters, whose dtypes the gradients follow)
+    and each parameter receives its gradient cast to its own dtype after the
+    reduce-scatter (``_compat``).
     """
 
     name = "preserve"
