@@ -59,7 +59,11 @@ class FSDPExtTestCase(MultiProcessTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        self._spawn_processes()
+        # Note: on CPU the ranks are forked, not spawned: a spawned rank re-imports torch (and the
+        # test module) before every test, which is most of a small test's time on a 2-core machine.
+        # CUDA cannot be used in a forked child once the parent touched it, so NCCL runs spawn.
+        method = "spawn" if use_nccl(self.world_size) else "fork"
+        self._start_processes(torch.multiprocessing.get_context(method).Process)
 
     @property
     def device(self) -> torch.device:
