@@ -287,12 +287,14 @@ def wrap_reduce_for_mixed_groups(patches: Any) -> None:
     accumulation adds the slice in place into the existing ``.grad``, which
     keeps its dtype. Groups that are not mixed pass straight through.
     """
+    from ._patching import wraps
+
     internals = load_internals()
 
     def wrap_foreach_reduce(original: Callable) -> Callable:
         signature = inspect.signature(original)
 
-        @functools.wraps(original, updated=())
+        @wraps(original)
         def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
             fsdp_params = args[0] if args else kwargs["fsdp_params"]
             mixed = fsdp_params[0].__dict__.get(_MIXED_GROUP_ATTR) if fsdp_params else None
@@ -313,7 +315,7 @@ def wrap_reduce_for_mixed_groups(patches: Any) -> None:
         return foreach_reduce
 
     def wrap_to_sharded_dtensor(original: Callable) -> Callable:
-        @functools.wraps(original, updated=())
+        @wraps(original)
         def to_sharded_dtensor(fsdp_param: Any, tensor: torch.Tensor) -> Any:
             mixed = fsdp_param.__dict__.get(_MIXED_GROUP_ATTR)
             if mixed is not None and tensor.dtype != mixed[0]:
