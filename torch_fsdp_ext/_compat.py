@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import torch
 
+from ._patching import wraps
+
 # Package that holds FSDP2's implementation, newest location first.
 #   torch >= 2.6: torch.distributed.fsdp._fully_shard
 #   torch 2.5:    torch.distributed._composable.fsdp
@@ -287,8 +289,6 @@ def wrap_reduce_for_mixed_groups(patches: Any) -> None:
     accumulation adds the slice in place into the existing ``.grad``, which
     keeps its dtype. Groups that are not mixed pass straight through.
     """
-    from ._patching import wraps
-
     internals = load_internals()
 
     def wrap_foreach_reduce(original: Callable) -> Callable:
