@@ -2,13 +2,16 @@
 
     UPSTREAM_TEST_FILE=.../test_fully_shard_mixed_dtype.py python -m pytest tools/upstream/test_on_cpu.py
 
-Note: torch's ``FSDPTest._run`` exits with the "multi-device" skip whenever
-``torch.accelerator.device_count() < world_size`` (``common_fsdp.py``), which on
-a CPU-only machine is always true, even for tests marked
-``skip_if_lt_x_gpu(n, allow_cpu=True)``. Each class here is the upstream class with
-only the process-group setup replaced: ``WORLD_SIZE`` gloo ranks on CPU. The test
-bodies, their skip decorators and their assertions are the upstream ones; a test
-that needs an accelerator still skips. ``check.py`` sets ``UPSTREAM_TEST_FILE``.
+Note: torch's harness does not run these tests on a CPU-only machine. Their world size
+is ``min(n, torch.accelerator.device_count())``, as in torch's FSDP tests, i.e. 0, so
+``MultiProcessTestCase`` spawns no process and reports a pass; and with a fixed world
+size ``FSDPTest._run`` exits with the "multi-device" skip whenever
+``torch.accelerator.device_count() < world_size`` (``common_fsdp.py``), even for tests
+marked ``skip_if_lt_x_gpu(n, allow_cpu=True)``. Each class here is the upstream class
+with only the world size and the process-group setup replaced: ``WORLD_SIZE`` gloo
+ranks on CPU. The test bodies, their skip decorators and their assertions are the
+upstream ones; a test that needs an accelerator still skips. ``check.py`` sets
+``UPSTREAM_TEST_FILE``.
 """
 
 from __future__ import annotations
