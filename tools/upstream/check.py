@@ -134,6 +134,8 @@ def check_patch(patch: Patch, pytest_args: list[str]) -> list[str]:
             TORCH_FSDP_EXT_TESTS_UPSTREAM_ONLY="1",
             UPSTREAM_TEST_FILE=upstream_test,
         )
+        # A torch-style test runs all its subtests in one test: minutes on a small CPU machine.
+        env.setdefault("TORCH_FSDP_EXT_TEST_TIMEOUT", "600")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (tmp, ROOT, os.environ.get("PYTHONPATH")) if p)
         where = subprocess.run(
             [sys.executable, "-c", "import torch.distributed.fsdp._fully_shard._fsdp_state as m; print(m.__file__)"],
