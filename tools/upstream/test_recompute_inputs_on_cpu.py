@@ -1,0 +1,136 @@
+"""The scenarios of PR 2's test, on CPU: which forwards and recomputations get their inputs moved.
+
+Note: FSDP2 moves a root's inputs only onto an accelerator (``cuda``, ``hpu``, ``xpu``,
+``mtia`` or the PrivateUse1 backend), so on CPU nothing moves and PR 2's own test
+(``test_fully_shard_recompute_inputs.py``) skips. Here, after lazy init, each FSDP
+state's device reads as ``cuda`` (after lazy init FSDP2 uses it only for that check and
+as the move's target), and ``_to_kwargs`` (the move itself, as ``_fsdp_state`` imports
+it) returns clones that it remembers instead of moving: a module input that is one of
+those clones was moved. The assertions are those of PR 2's test with "on the device"
+read as "moved". Run by ``check.py`` against the patched FSDP2 copy; against unpatched
+torch 2.15.0 the ``root`` and ``block_run_alone`` cases fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import sys
+from unittest import mock
+
+import torch
+import torch.nn as nn
+import torch.distributed.fsdp._fully_shard._fsdp_state as fsdp_state
+from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "test"))
+from common import FSDPExtTestCase, full_grads, fully_shard  # noqa: E402
+
+
+class MovedTensors:
+    """Wraps FSDP's ``_to_kwargs`` so that every tensor it moves becomes a remembered clone."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        return any(tensor is moved for moved in self.tensors)
+
+    def to_kwargs(self, args, kwargs, device, use_side_stream):
+        def move(value):
+            if isinstance(value, torch.Tensor):
+                moved = value.detach().clone().requires_grad_(value.requires_grad)
+                self.tensors.append(moved)
+                return moved
+            return value
+
+        return (tuple(move(a) for a in args),), ({k: move(v) for k, v in kwargs.items()},)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, moved: MovedTensors) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.moved = moved
+        self.host_input_moved: list[bool] = []  # one entry per forward or recomputation
+
+    def forward(self, x: torch.Tensor, host_scale: torch.Tensor) -> torch.Tensor:
+        self.host_input_moved.append(host_scale in self.moved)
+        return torch.relu(self.lin(x)) * host_scale
+
+
+class Model(nn.Module):
+    def __init__(self, dim: int, moved: MovedTensors) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList([Block(dim, moved) for _ in range(2)])
+        self.moved = moved
+        self.input_moved: list[bool] = []
+        self.checkpoint_blocks = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.input_moved.append(x in self.moved)
+        x = self.in_proj(x)
+        host_scale = torch.full((1,), 0.5)
+        for block in self.blocks:
+            x = checkpoint(block, x, host_scale, use_reentrant=False) if self.checkpoint_blocks else block(x, host_scale)
+        return x
+
+
+class TestRecomputeInputsOnCPU(FSDPExtTestCase):
+    WORLD_SIZE = 2
+
+    @parametrize("checkpointed", ["root", "nested_blocks", "block_run_alone"])
+    def test_checkpoint_with_cpu_inputs(self, checkpointed: str) -> None:
+        moved = MovedTensors()
+        torch.manual_seed(42)
+        model = Model(16, moved)
+        ref_model = copy.deepcopy(model)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        torch.manual_seed(42 + self.rank + 1)
+        inp = torch.randn((4, 16))
+        host_scale = torch.full((1,), 0.5)
+        model(inp).sum().backward()  # lazy init from the root
+        model.zero_grad(set_to_none=True)
+        states = {fully_shard.state(m) for m in (model, *model.blocks)}
+        with (
+            mock.patch.multiple(fsdp_state, _to_kwargs=moved.to_kwargs),
+            contextlib.ExitStack() as stack,
+        ):
+            for state in states:
+                stack.enter_context(mock.patch.object(state, "_device", torch.device("cuda")))
+            model.input_moved.clear()
+            for block in model.blocks:
+                block.host_input_moved.clear()
+            if checkpointed == "root":
+                checkpoint(model, inp, use_reentrant=False).sum().backward()
+                ref_model(inp).sum().backward()
+                self.assertEqual(model.input_moved, [True, True])  # forward and recomputation
+            elif checkpointed == "nested_blocks":
+                model.checkpoint_blocks = True
+                model(inp).sum().backward()
+                ref_model(inp).sum().backward()
+                self.assertEqual(model.input_moved, [True])
+                for block in model.blocks:
+                    self.assertEqual(block.host_input_moved, [False, False])  # forward and recomputation
+            else:
+                block, ref_block = model.blocks[0], ref_model.blocks[0]
+                checkpoint(block, inp, host_scale, use_reentrant=False).sum().backward()
+                ref_block(inp, host_scale).sum().backward()
+                self.assertEqual(block.host_input_moved, [True, True])  # forward and recomputation
+        for param in ref_model.parameters():
+            if param.grad is not None:
+                torch.distributed.all_reduce(param.grad)
+                param.grad.div_(self.world_size)
+        ref_grads = {name: p.grad for name, p in ref_model.named_parameters() if p.grad is not None}
+        self.assertEqual(full_grads(model), ref_grads)
+
+
+instantiate_parametrized_tests(TestRecomputeInputsOnCPU)
+
+if __name__ == "__main__":
+    run_tests()
