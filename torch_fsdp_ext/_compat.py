@@ -16,6 +16,7 @@ import functools
 import importlib
 import inspect
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -41,12 +42,14 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("checkpoint_hook", "torch.utils.checkpoint", "_checkpoint_hook"),
     ("recomputation_hook", "torch.utils.checkpoint", "_recomputation_hook"),
     ("CheckpointFrame", "torch.utils.checkpoint", "_CheckpointFrame"),
+    ("module_state_mapping", "torch.distributed._composable_state", "_module_state_mapping"),
 )
 
 # Methods that the fixes wrap, by the name used above.
 WRAPPED_METHODS: tuple[tuple[str, str], ...] = (
     ("FSDPParamGroup", "__init__"),
     ("FSDPParamGroup", "_init_mp_dtypes"),
+    ("FSDPState", "_lazy_init"),
     ("FSDPState", "_pre_forward"),
     ("FSDPState", "_post_forward"),
     ("checkpoint_hook", "__init__"),
@@ -127,10 +130,14 @@ def fsdp2_api() -> types.ModuleType:
 
 
 def symbol_names(internals: TorchInternals, names: tuple[str, ...]) -> list[str]:
-    """Human-readable ``module.Class.method`` names for the status report."""
+    """Human-readable ``module.Class.method`` names for the status report.
+
+    ``names`` holds owners (``"FSDPParamGroup"``: all its wrapped methods) or single
+    methods (``"FSDPState._lazy_init"``).
+    """
     out = []
     for owner, method in WRAPPED_METHODS:
-        if owner in names and owner in internals.symbols:
+        if (owner in names or f"{owner}.{method}" in names) and owner in internals.symbols:
             cls = internals.symbols[owner]
             out.append(f"{cls.__module__}.{cls.__qualname__}.{method}")
     return out
@@ -139,6 +146,49 @@ def symbol_names(internals: TorchInternals, names: tuple[str, ...]) -> list[str]
 # ---------------------------------------------------------------------------
 # FSDP2 objects
 # ---------------------------------------------------------------------------
+
+
+def fsdp_states() -> list[Any]:
+    """Every live ``FSDPState``, found through the module -> state registry of composable APIs.
+
+    Note: ``_module_state_mapping`` maps each module to a weak reference of its
+    state (2.4+; a plain reference before). Another thread may insert into it
+    (``fully_shard``) while we copy it, which makes the copy raise; copy again.
+    Never walk ``gc.get_objects()`` instead: that crashes a thread training
+    concurrently (torch_fsdp_ext issue 13).
+    """
+    internals = load_internals()
+    mapping = internals.module_state_mapping
+    for _ in range(100):
+        try:
+            entries = list(mapping.values())
+            break
+        except RuntimeError:  # changed size during iteration
+            continue
+    else:
+        entries = []
+    states, seen = [], set()
+    for entry in entries:
+        state = entry() if isinstance(entry, weakref.ref) else entry
+        if isinstance(state, internals.FSDPState) and id(state) not in seen:
+            seen.add(id(state))  # fully_shard([a, b]) maps several modules to one state
+            states.append(state)
+    return states
+
+
+def is_lazily_initialized(state: Any) -> bool:
+    """Has ``FSDPState._lazy_init`` run for this state (as root or as a child of one)?"""
+    return state._is_root is not None
+
+
+def process_group_store(pg: Any) -> Any:
+    """The c10d ``Store`` of a process group (a prefix store per group), or None."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        return c10d._world.pg_map[pg][1]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
 
 
 def param_groups_of(state: Any) -> list[Any]:

@@ -26,15 +26,14 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from . import _compat
 from ._patching import PatchSet, wraps
+from ._rank_consistency import RankConsistency
 
 logger = logging.getLogger("torch_fsdp_ext")
 
@@ -151,6 +150,7 @@ class DtypeNormalization:
         self.strategy = strategy
         self.active = False
         self.counts_frozen = False
+        self.ranks = RankConsistency(internals, MixedParamDtypeError)
 
     def needed(self) -> tuple[bool, str]:
         rejects = _compat.probe_rejects_mixed_trainable_dtypes()
@@ -161,13 +161,14 @@ class DtypeNormalization:
         return True, "_init_mp_dtypes asserts one dtype for all trainable params of a group"
 
     def wrapped_symbols(self) -> list[str]:
-        return _compat.symbol_names(self.internals, ("FSDPParamGroup",))
+        return _compat.symbol_names(self.internals, ("FSDPParamGroup", "FSDPState._lazy_init"))
 
     def install(self, patches: PatchSet) -> None:
         self.counts_frozen = bool(_compat.probe_dtype_check_counts_frozen())
         group_cls = self.internals.FSDPParamGroup
         patches.wrap(group_cls, "__init__", self._wrap_init)
         patches.wrap(group_cls, "_init_mp_dtypes", self._wrap_init_mp_dtypes)
+        self.ranks.install(patches)
         self.active = True
 
     # -- hook 1: before sharding ------------------------------------------------
@@ -211,7 +212,7 @@ class DtypeNormalization:
             if not fix.active:
                 return original(group)
             fix.normalize_sharded_group(group)
-            fix.check_rank_consistency(group)
+            fix.ranks.note_layout(group)
             if fix.counts_frozen:
                 return fix._init_mp_dtypes_trainable_only(original, group)
             return original(group)
@@ -251,38 +252,6 @@ class DtypeNormalization:
                 "low-precision compute with fp32 master weights.",
                 stacklevel=2,
             )
-
-    def check_rank_consistency(self, group: Any) -> None:
-        """Fail clearly, on every rank, when ranks disagree on this group's dtypes.
-
-        Note: ranks that all-gather buffers of different dtypes hang or corrupt
-        data, so one tiny all-gather of a layout digest here is cheap insurance
-        (first forward only).
-        """
-        pg = _compat.group_process_group(group)
-        # The fake backend (world-size simulation) moves no data, so there is nothing to compare.
-        if pg is None or dist.get_world_size(pg) == 1 or dist.get_backend(pg) == "fake":
-            return
-        layout = [(str(p.sharded_param.dtype), _compat.fsdp_param_is_trainable(p)) for p in group.fsdp_params]
-        device = torch.device("cpu") if dist.get_backend(pg) == "gloo" else group.device
-        digest = torch.tensor([zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=device)
-        digests = [torch.empty_like(digest) for _ in range(dist.get_world_size(pg))]
-        dist.all_gather(digests, digest, group=pg)
-        if all(torch.equal(d, digest) for d in digests):
-            return
-        named = [(_compat.fsdp_param_fqn(p), dtype, trainable) for p, (dtype, trainable) in zip(group.fsdp_params, layout)]
-        layouts: list[Any] = [None] * dist.get_world_size(pg)
-        dist.all_gather_object(layouts, named, group=pg)
-        lines = [
-            f"torch_fsdp_ext: ranks disagree on the parameter dtypes of FSDP2 group "
-            f"{getattr(group, '_module_fqn', None)!r}; every rank must build the model with the same dtypes "
-            "and requires_grad flags before fully_shard:"
-        ]
-        for index, entries in enumerate(zip(*layouts)):
-            if len({(dtype, trainable) for _, dtype, trainable in entries}) > 1:
-                per_rank = ", ".join(f"rank {r}: {dtype}{'' if t else ' (frozen)'}" for r, (_, dtype, t) in enumerate(entries))
-                lines.append(f"  {entries[0][0]}: {per_rank}")
-        raise MixedParamDtypeError("\n".join(lines))
 
     @staticmethod
     def _init_mp_dtypes_trainable_only(original: Callable, group: Any) -> None:
