@@ -121,7 +121,7 @@ def _thread_toggle(torch, nn, rank: int, plugin_on: bool, torch_fsdp_ext) -> str
         stop, toggles = threading.Event(), [0]
 
         def toggler():
-            while not stop.is_set():
+            while not stop.wait(0.001):
                 torch_fsdp_ext.install()
                 torch_fsdp_ext.uninstall()
                 toggles[0] += 1

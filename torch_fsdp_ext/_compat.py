@@ -182,13 +182,21 @@ def is_lazily_initialized(state: Any) -> bool:
 
 
 def process_group_store(pg: Any) -> Any:
-    """The c10d ``Store`` of a process group (a prefix store per group), or None."""
+    """A c10d ``Store`` whose keys are this process group's own, or None.
+
+    The group's own store (``new_group`` makes a prefix store per group); groups
+    made without one (``split_group``) get a prefix of the default store named
+    after the group.
+    """
     from torch.distributed import distributed_c10d as c10d
 
     try:
-        return c10d._world.pg_map[pg][1]
-    except (AttributeError, KeyError, IndexError, TypeError):
+        store = c10d._world.pg_map[pg][1]
+        if store is None:
+            store = c10d.PrefixStore(f"torch_fsdp_ext/{c10d._get_process_group_name(pg)}/", c10d._get_default_store())
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError):
         return None
+    return store
 
 
 def param_groups_of(state: Any) -> list[Any]:

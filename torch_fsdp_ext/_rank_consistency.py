@@ -40,6 +40,14 @@ from ._patching import PatchSet, wraps
 
 _KEY_PREFIX = "torch_fsdp_ext/dtype_layout"
 
+# Note: comparisons made through each process group's store, per process. The
+# keys stay in the store, so a comparison's keys must never be reused: the count
+# outlives each install() (``installed()`` scopes, uninstall/install) and a
+# reload of this module, and every rank counts alike because every rank compares
+# at the same root forwards.
+_rounds: dict[Any, int] = globals().get("_rounds", {})
+_rounds_lock: threading.Lock = globals().get("_rounds_lock") or threading.Lock()
+
 
 class RankCheckTimeoutError(RuntimeError):
     """Some ranks of a process group never reported their dtype layout."""
@@ -72,8 +80,6 @@ class RankConsistency:
         self.internals = internals
         self.mismatch_error = mismatch_error
         self._compared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> layout
-        self._rounds: dict[Any, int] = {}  # process group -> comparisons made through its store
-        self._lock = threading.Lock()
         self._thread = _ThreadState()
 
     def install(self, patches: PatchSet) -> None:
@@ -130,9 +136,9 @@ class RankConsistency:
             store = _compat.process_group_store(pg)
             if store is None:
                 continue  # no store to compare through (not a c10d process group): nothing to compare with
-            with self._lock:
-                round_index = self._rounds.get(pg, 0)
-                self._rounds[pg] = round_index + 1
+            with _rounds_lock:
+                round_index = _rounds.get(pg, 0)
+                _rounds[pg] = round_index + 1
             prefix = f"{_KEY_PREFIX}/{round_index}/"
             mine = json.dumps([(group_name(g), layout) for g, layout in entries])
             store.set(prefix + str(dist.get_rank(pg)), mine)
