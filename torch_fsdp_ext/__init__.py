@@ -10,12 +10,14 @@ import warnings as _warnings
 from . import _env, _install
 from ._dtype_normalization import MixedParamDtypeError, STRATEGIES
 from ._install import FIX_NAMES, FixStatus, Status, install, installed, status, uninstall
+from ._rank_consistency import RankCheckTimeoutError
 
 __all__ = [
     "FIX_NAMES",
     "STRATEGIES",
     "FixStatus",
     "MixedParamDtypeError",
+    "RankCheckTimeoutError",
     "Status",
     "install",
     "installed",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import operator
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -176,9 +177,9 @@ def fsdp_states() -> list[Any]:
     return states
 
 
-def is_lazily_initialized(state: Any) -> bool:
-    """Has ``FSDPState._lazy_init`` run for this state (as root or as a child of one)?"""
-    return state._is_root is not None
+# ``FSDPState._is_root``: None until ``_lazy_init`` ran for the state (as root or as a
+# child of one), then True or False. Read at every FSDP pre-forward, hence a C-level getter.
+is_root_flag: Callable[[Any], bool | None] = operator.attrgetter("_is_root")
 
 
 def process_group_store(pg: Any) -> Any:

@@ -99,11 +99,12 @@ class RankConsistency:
     def _wrap_lazy_init(self, original: Callable) -> Callable:
         ranks = self
         thread = self._thread
+        is_root_flag = _compat.is_root_flag
 
         @wraps(original)
         def _lazy_init(state: Any) -> None:
             # Every FSDP pre-forward calls this; after the first forward it is a no-op in torch.
-            if _compat.is_lazily_initialized(state):
+            if is_root_flag(state) is not None:
                 if thread.pending:
                     ranks.compare_pending()
                 return original(state)
