@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import unittest
+from datetime import timedelta
 from typing import Iterator
 
 import torch
@@ -52,6 +53,9 @@ class FSDPExtTestCase(MultiProcessTestCase):
     """Each test runs in ``WORLD_SIZE`` fresh processes with a process group ready."""
 
     WORLD_SIZE = 2
+    # The process group's timeout (and its store's); None: torch's default. Tests that
+    # expect a rank to wait for a peer that never comes set a short one.
+    PG_TIMEOUT: timedelta | None = None
 
     @property
     def world_size(self) -> int:
@@ -73,8 +77,9 @@ class FSDPExtTestCase(MultiProcessTestCase):
         backend = "nccl" if use_nccl(self.world_size) else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(self.rank)
+        timeout = {} if self.PG_TIMEOUT is None else {"timeout": self.PG_TIMEOUT}
         dist.init_process_group(
-            backend, init_method=f"file://{self.file_name}", rank=self.rank, world_size=self.world_size
+            backend, init_method=f"file://{self.file_name}", rank=self.rank, world_size=self.world_size, **timeout
         )
         super().run_test(test_name, parent_pipe)
 

@@ -1,21 +1,24 @@
 """torch_fsdp_ext: repairs two FSDP2 (``fully_shard``) mixed-precision failures.
 
 ``import torch_fsdp_ext`` installs every fix this torch release needs; set
-``TORCH_FSDP_EXT_DISABLE=1`` to import without installing. See README.md.
+``TORCH_FSDP_EXT_DISABLE=1`` to import without installing, and
+``TORCH_FSDP_EXT_DTYPE_STRATEGY`` to choose the dtype strategy. See README.md.
 """
 
-import os as _os
 import warnings as _warnings
 
+from . import _env, _install
 from ._dtype_plan import MixedParamDtypeError
 from ._dtype_strategies import STRATEGIES
 from ._install import FIX_NAMES, FixStatus, Status, install, installed, status, uninstall
+from ._rank_consistency import RankCheckTimeoutError
 
 __all__ = [
     "FIX_NAMES",
     "STRATEGIES",
     "FixStatus",
     "MixedParamDtypeError",
+    "RankCheckTimeoutError",
     "Status",
     "install",
     "installed",
@@ -24,7 +27,8 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-if _os.environ.get("TORCH_FSDP_EXT_DISABLE", "") not in ("1", "true", "True", "yes"):
+_install.set_default_dtype_strategy(_env.choice("TORCH_FSDP_EXT_DTYPE_STRATEGY", STRATEGIES))
+if not _env.switch("TORCH_FSDP_EXT_DISABLE"):
     try:
         install()
     except Exception as _e:  # noqa: BLE001 - importing must never break a training script

@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import operator
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -46,6 +48,7 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("checkpoint_hook", "torch.utils.checkpoint", "_checkpoint_hook"),
     ("recomputation_hook", "torch.utils.checkpoint", "_recomputation_hook"),
     ("CheckpointFrame", "torch.utils.checkpoint", "_CheckpointFrame"),
+    ("module_state_mapping", "torch.distributed._composable_state", "_module_state_mapping"),
 )
 
 # Methods that the fixes wrap, by the name used above.
@@ -54,6 +57,7 @@ WRAPPED_METHODS: tuple[tuple[str, str], ...] = (
     ("FSDPParamGroup", "_init_mp_dtypes"),
     ("FSDPParam", "to_sharded_dtensor"),
     ("fsdp_param_group_module", "foreach_reduce"),
+    ("FSDPState", "_lazy_init"),
     ("FSDPState", "_pre_forward"),
     ("FSDPState", "_post_forward"),
     ("checkpoint_hook", "__init__"),
@@ -134,10 +138,14 @@ def fsdp2_api() -> types.ModuleType:
 
 
 def symbol_names(internals: TorchInternals, names: tuple[str, ...]) -> list[str]:
-    """Human-readable ``module.Class.method`` names for the status report."""
+    """Human-readable ``module.Class.method`` names for the status report.
+
+    ``names`` holds owners (``"FSDPParamGroup"``: all its wrapped methods) or single
+    methods (``"FSDPState._lazy_init"``).
+    """
     out = []
     for owner, method in WRAPPED_METHODS:
-        if owner in names and owner in internals.symbols:
+        if (owner in names or f"{owner}.{method}" in names) and owner in internals.symbols:
             obj = internals.symbols[owner]
             prefix = obj.__name__ if isinstance(obj, types.ModuleType) else f"{obj.__module__}.{obj.__qualname__}"
             out.append(f"{prefix}.{method}")
@@ -147,6 +155,57 @@ def symbol_names(internals: TorchInternals, names: tuple[str, ...]) -> list[str]
 # ---------------------------------------------------------------------------
 # FSDP2 objects
 # ---------------------------------------------------------------------------
+
+
+def fsdp_states() -> list[Any]:
+    """Every live ``FSDPState``, found through the module -> state registry of composable APIs.
+
+    Note: ``_module_state_mapping`` maps each module to a weak reference of its
+    state (2.4+; a plain reference before). Another thread may insert into it
+    (``fully_shard``) while we copy it, which makes the copy raise; copy again.
+    Never walk ``gc.get_objects()`` instead: that crashes a thread training
+    concurrently (torch_fsdp_ext issue 13).
+    """
+    internals = load_internals()
+    mapping = internals.module_state_mapping
+    for _ in range(100):
+        try:
+            entries = list(mapping.values())
+            break
+        except RuntimeError:  # changed size during iteration
+            continue
+    else:
+        entries = []
+    states, seen = [], set()
+    for entry in entries:
+        state = entry() if isinstance(entry, weakref.ref) else entry
+        if isinstance(state, internals.FSDPState) and id(state) not in seen:
+            seen.add(id(state))  # fully_shard([a, b]) maps several modules to one state
+            states.append(state)
+    return states
+
+
+# ``FSDPState._is_root``: None until ``_lazy_init`` ran for the state (as root or as a
+# child of one), then True or False. Read at every FSDP pre-forward, hence a C-level getter.
+is_root_flag: Callable[[Any], bool | None] = operator.attrgetter("_is_root")
+
+
+def process_group_store(pg: Any) -> Any:
+    """A c10d ``Store`` whose keys are this process group's own, or None.
+
+    The group's own store (``new_group`` makes a prefix store per group); groups
+    made without one (``split_group``) get a prefix of the default store named
+    after the group.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        store = c10d._world.pg_map[pg][1]
+        if store is None:
+            store = c10d.PrefixStore(f"torch_fsdp_ext/{c10d._get_process_group_name(pg)}/", c10d._get_default_store())
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError):
+        return None
+    return store
 
 
 def param_groups_of(state: Any) -> list[Any]:

@@ -221,6 +221,10 @@ def doctor(world_size: int = 2) -> int:
         print("unsupported torch: " + "; ".join(report.missing))
         print("the plugin patches nothing here; torch behaves as without it")
         return 0
+    print(
+        "every rank must run the same torch_fsdp_ext installation: where a rank runs without it, the ranks "
+        "with it stop at the first forward with RankCheckTimeoutError after the process group's timeout"
+    )
     strategy = report.fixes["dtype"].details.get("strategy", "upcast")
     print(f"self-test: {backend.world_size} rank(s), {backend.name} on {backend.device_type}; dtype strategy {strategy!r}")
     outcomes = run_self_test(backend, strategy)

@@ -28,7 +28,7 @@ from . import _compat
 from ._dtype_plan import MixedParamDtypeError, ParamEntry, plan_group_dtypes
 from ._dtype_strategies import make_strategy
 from ._patching import PatchSet, wraps
-from ._rank_consistency import check_rank_consistency
+from ._rank_consistency import RankConsistency
 
 
 class DtypeFix:
@@ -42,6 +42,7 @@ class DtypeFix:
         self.strategy = make_strategy(strategy)
         self.active = False
         self.counts_frozen = False
+        self.ranks = RankConsistency(internals, MixedParamDtypeError)
 
     def set_strategy(self, name: str) -> None:
         self.strategy = make_strategy(name)
@@ -56,7 +57,7 @@ class DtypeFix:
 
     def wrapped_symbols(self) -> list[str]:
         owners = ("FSDPParamGroup",) if _compat.probe_reduce_casts_grads_per_param() else _compat.MIXED_REDUCE_OWNERS
-        return _compat.symbol_names(self.internals, owners)
+        return _compat.symbol_names(self.internals, (*owners, "FSDPState._lazy_init"))
 
     def install(self, patches: PatchSet) -> None:
         self.counts_frozen = bool(_compat.probe_dtype_check_counts_frozen())
@@ -65,6 +66,7 @@ class DtypeFix:
         patches.wrap(group_cls, "_init_mp_dtypes", self._wrap_init_mp_dtypes)
         if not _compat.probe_reduce_casts_grads_per_param():
             _compat.wrap_reduce_for_mixed_groups(patches)
+        self.ranks.install(patches)
         self.active = True
 
     # -- hook 1: before sharding ------------------------------------------------
@@ -101,7 +103,7 @@ class DtypeFix:
             if not fix.active:
                 return original(group)
             stays_mixed = fix.prepare_sharded_group(group)
-            check_rank_consistency(group)
+            fix.ranks.note_layout(group)
             if stays_mixed:
                 return _compat.init_mp_dtypes_of_mixed_group(original, group)
             _compat.forget_mixed_group(group)

@@ -12,13 +12,19 @@ import torch
 
 from . import _compat
 from ._dtype_fix import DtypeFix
+from ._dtype_strategies import STRATEGIES
 from ._patching import PatchSet
 from ._recompute import RecomputeReplay
 
 FIX_NAMES = ("dtype", "recompute")
 
-_lock = threading.RLock()
-_active: dict[str, tuple[Any, PatchSet]] = {}  # fix name -> (fix, its patches)
+# Note: ``importlib.reload`` re-runs this module in the same namespace. What is
+# installed is kept across a reload, so that ``install()`` after it finds the
+# patches applied before it (no second wrapper layer) and ``uninstall()`` removes them.
+_lock: threading.RLock = globals().get("_lock") or threading.RLock()
+_active: dict[str, tuple[Any, PatchSet]] = globals().get("_active", {})  # fix name -> (fix, its patches)
+# The dtype strategy of an install() that names none: TORCH_FSDP_EXT_DTYPE_STRATEGY, else "upcast".
+_dtype_strategy: str = globals().get("_dtype_strategy", "upcast")
 _warned_unsupported = False
 
 
@@ -57,6 +63,26 @@ def _check_names(fixes: Iterable[str] | None) -> tuple[str, ...]:
     return names
 
 
+def _check_strategy(dtype_strategy: str | None) -> None:
+    if dtype_strategy is not None and dtype_strategy not in STRATEGIES:
+        raise ValueError(f"dtype_strategy must be one of {STRATEGIES}, got {dtype_strategy!r}")
+
+
+def _set_dtype_strategy(dtype_strategy: str) -> None:
+    global _dtype_strategy
+    _dtype_strategy = dtype_strategy
+    if "dtype" in _active:
+        _active["dtype"][0].set_strategy(dtype_strategy)
+
+
+def set_default_dtype_strategy(dtype_strategy: str | None) -> None:
+    """The strategy for an ``install()`` that names none (from the environment at import); None: unchanged."""
+    if dtype_strategy is not None:
+        _check_strategy(dtype_strategy)
+        with _lock:
+            _set_dtype_strategy(dtype_strategy)
+
+
 def _warn_unsupported(internals: _compat.TorchInternals) -> None:
     global _warned_unsupported
     if not _warned_unsupported:
@@ -69,26 +95,30 @@ def _warn_unsupported(internals: _compat.TorchInternals) -> None:
         )
 
 
-def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str = "upcast") -> list[str]:
+def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = None) -> list[str]:
     """Install the fixes this torch release needs (all by default); idempotent.
 
-    ``dtype_strategy``: ``"upcast"`` keeps fp32 master weights; ``"preserve"`` trains
-    each parameter in its own dtype; ``"error"`` only replaces FSDP's assertion with
-    an error naming each parameter.
+    ``dtype_strategy`` (one of ``STRATEGIES``): ``"upcast"`` keeps fp32 master
+    weights; ``"preserve"`` trains each parameter in its own dtype; ``"error"`` only
+    replaces FSDP's assertion with an error naming each parameter. It is a setting
+    of the plugin, kept for later installs and applied to an active dtype fix
+    whichever fixes are named; ``None`` keeps the current one
+    (``TORCH_FSDP_EXT_DTYPE_STRATEGY`` at import, else ``"upcast"``).
     Returns the names of the fixes active after the call.
     """
     names = _check_names(fixes)
+    _check_strategy(dtype_strategy)
     with _lock:
+        if dtype_strategy is not None:
+            _set_dtype_strategy(dtype_strategy)
         internals = _compat.load_internals()
         if not internals.ok:
             _warn_unsupported(internals)
             return []
         for name in names:
             if name in _active:
-                if name == "dtype":
-                    _active[name][0].set_strategy(dtype_strategy)
                 continue
-            fix = _make_fix(name, internals, dtype_strategy)
+            fix = _make_fix(name, internals, _dtype_strategy)
             if not fix.needed()[0]:
                 continue
             patches = PatchSet()
@@ -116,15 +146,21 @@ def uninstall(fixes: Iterable[str] | None = None) -> None:
 
 
 @contextlib.contextmanager
-def installed(fixes: Iterable[str] | None = None, *, dtype_strategy: str = "upcast") -> Iterator[list[str]]:
-    """Context manager: the fixes are active inside; those it installed are removed on exit."""
+def installed(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = None) -> Iterator[list[str]]:
+    """Context manager: the fixes are active inside; on exit the fixes and the
+    dtype strategy are exactly what they were before it."""
     with _lock:
-        before = set(_active)
+        before, strategy_before = set(_active), _dtype_strategy
         active = install(fixes, dtype_strategy=dtype_strategy)
     try:
         yield active
     finally:
-        uninstall([n for n in active if n not in before])
+        with _lock:
+            uninstall([n for n in FIX_NAMES if n in _active and n not in before])
+            _set_dtype_strategy(strategy_before)
+            missing = [n for n in FIX_NAMES if n in before and n not in _active]
+            if missing:
+                install(missing)
 
 
 def status() -> Status:
@@ -134,7 +170,7 @@ def status() -> Status:
     for name in FIX_NAMES:
         fix, patches = _active.get(name, (None, None))
         if fix is None and internals.ok:
-            fix = _make_fix(name, internals, "upcast")
+            fix = _make_fix(name, internals, _dtype_strategy)
         if fix is None:
             report.fixes[name] = FixStatus(name, "", None, "unsupported torch: " + "; ".join(internals.missing), False)
             continue

@@ -175,7 +175,10 @@ class RecomputeReplay:
         }
 
     def wrapped_symbols(self) -> list[str]:
-        return _compat.symbol_names(self.internals, ("FSDPState", "checkpoint_hook", "recomputation_hook"))
+        return _compat.symbol_names(
+            self.internals,
+            ("FSDPState._pre_forward", "FSDPState._post_forward", "checkpoint_hook", "recomputation_hook"),
+        )
 
     # -- install ---------------------------------------------------------------
 
@@ -202,14 +205,10 @@ class RecomputeReplay:
         ``fully_shard([a, b])`` registers closures instead; those are reported in
         ``status()`` as not covered.
         """
-        import gc
-
         state_cls = self.internals.FSDPState
         pre, post = state_cls.__dict__["_pre_forward"], state_cls.__dict__["_post_forward"]
         self.not_covered = []
-        for obj in gc.get_objects():
-            if not issubclass(type(obj), state_cls):
-                continue
+        for obj in _compat.fsdp_states():
             slots = _compat.forward_hook_slots(obj)
             if slots is None:
                 names = ", ".join(type(m).__name__ for m in getattr(obj, "_modules", ()))
