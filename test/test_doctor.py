@@ -13,9 +13,9 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, ROOT
 
 
-def run_doctor(extra_path: str | None = None) -> subprocess.CompletedProcess:
+def run_doctor(extra_path: str | None = None, **extra_env: str) -> subprocess.CompletedProcess:
     path = [p for p in (extra_path, ROOT, os.environ.get("PYTHONPATH")) if p]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), **extra_env)
     env.pop("TORCH_FSDP_EXT_DISABLE", None)
     return subprocess.run(
         [sys.executable, "-m", "torch_fsdp_ext", "doctor"], capture_output=True, text=True, env=env, timeout=180, cwd=ROOT
@@ -51,6 +51,17 @@ recompute  yes     yes     not reproduced → ok; replays root input move, autoc
             )
         else:
             self.skipTest("no expected table for a torch without the dtype bug")
+
+    def test_self_test_follows_the_strategy_chosen_in_the_environment(self):
+        if not HAS_DTYPE_BUG:
+            self.skipTest("this torch has no dtype bug to self-test a strategy on")
+        result = run_doctor(TORCH_FSDP_EXT_DTYPE_STRATEGY="preserve")
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertIn("dtype strategy 'preserve'", result.stdout)
+        dtype_row = next(line for line in result.stdout.splitlines() if line.startswith("dtype "))
+        self.assertExpectedInline(
+            dtype_row, """dtype      yes     yes     AssertionError reproduced → fixed; strategy preserve"""
+        )
 
     def test_a_broken_fix_makes_doctor_fail(self):
         if not HAS_DTYPE_BUG:
