@@ -187,8 +187,9 @@ class RecomputeReplay:
         patches.wrap(internals.recomputation_hook, "__enter__", self._wrap_recompute_enter)
         patches.wrap(internals.checkpoint_hook, "__exit__", self._wrap_exit)
         patches.wrap(internals.recomputation_hook, "__exit__", self._wrap_exit)
-        patches.wrap(internals.FSDPState, "_pre_forward", self._wrap_pre_forward)
-        patches.wrap(internals.FSDPState, "_post_forward", self._wrap_post_forward)
+        # Decorated as FSDP decorates the originals: dynamo skips (or traces) both alike.
+        patches.wrap(internals.FSDPState, "_pre_forward", self._wrap_pre_forward, as_decorated=True)
+        patches.wrap(internals.FSDPState, "_post_forward", self._wrap_post_forward, as_decorated=True)
         self.active = True
         self.rebind_existing_hooks(patches)
 
