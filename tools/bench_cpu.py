@@ -118,26 +118,12 @@ def switch(state: str) -> None:
 
 
 def _original_cell(hook: Any):
-    """The closure cell through which ``hook`` finally calls torch's own undecorated function, or None.
-
-    Followed through the plugin's wrappers (their ``original``) and through the
-    decorator FSDP marks its hooks with for dynamo (the cell holding ``__wrapped__``),
-    which the plugin's FSDP hook wrappers carry too: the inner timer then sits at the
-    same place patched and unpatched, and the decorator's own cost drops out.
-    """
-    func, found = getattr(hook, "__func__", hook), None
-    while True:
-        code = getattr(func, "__code__", None)
-        if code is None or not func.__closure__:
-            return found
-        if code.co_filename.startswith(PLUGIN_DIR) and "original" in code.co_freevars:
-            cell = func.__closure__[code.co_freevars.index("original")]
-        else:
-            wrapped = getattr(func, "__wrapped__", None)
-            cell = next((c for c in func.__closure__ if wrapped is not None and c.cell_contents is wrapped), None)
-        if cell is None:
-            return found
-        found, func = cell, cell.cell_contents
+    """The closure cell through which one of the plugin's wrappers calls the hook it wraps, or None."""
+    func = getattr(hook, "__func__", hook)
+    code = getattr(func, "__code__", None)
+    if code is None or not code.co_filename.startswith(PLUGIN_DIR) or "original" not in code.co_freevars:
+        return None
+    return func.__closure__[code.co_freevars.index("original")]
 
 
 @contextlib.contextmanager
