@@ -159,14 +159,9 @@ class LoraTest(StrategyCases, FSDPExtTestCase):
         with plugin(False):
             unpatched = train_llama(shard_llama(self.lora_model(None)), self.rank)
         with plugin(True):
-            self.assertEqual(train_llama(shard_llama(self.lora_model(None)), self.rank), unpatched)
-
-    def test_lora_fp32_adapters_upcast(self) -> None:
-        self.check_lora("upcast", None)
-
-    @needs_strategy("preserve")
-    def test_lora_fp32_adapters_preserve(self) -> None:
-        self.check_lora("preserve", None)
+            model = shard_llama(self.lora_model(None))
+            self.assertEqual(train_llama(model, self.rank), unpatched)
+        self.assertEqual(self.frozen_dtypes(model), {torch.bfloat16})
 
     @needs_dtype_bug
     def test_lora_modules_to_save_norms_without_plugin(self) -> None:
