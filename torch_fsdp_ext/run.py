@@ -8,7 +8,8 @@
 Imports the plugin (which installs the fixes this torch needs), then runs the script
 as ``__main__`` with ``sys.argv`` set to the script and its arguments, as ``python
 train.py ARGS`` would. Options of this launcher come before the script; everything
-after the script belongs to it.
+after the script belongs to it. ``TORCH_FSDP_EXT_DISABLE=1`` still turns the import's
+install off; ``--dtype-strategy`` installs explicitly.
 """
 
 from __future__ import annotations
