@@ -11,6 +11,7 @@ setup(
     python_requires=">=3.9",
     # Never force a torch upgrade: any release from 2.5 on is accepted as installed.
     install_requires=["torch>=2.5"],
-    extras_require={"test": ["pytest", "expecttest", "numpy"]},
+    # transformers and peft: the integration tests (test/test_integration.py skip without them).
+    extras_require={"test": ["pytest", "expecttest", "numpy", "transformers>=5.23.0", "peft>=0.21.2"]},
     entry_points={"console_scripts": ["torch-fsdp-ext=torch_fsdp_ext.__main__:main"]},
 )

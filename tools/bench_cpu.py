@@ -7,6 +7,7 @@
     python tools/bench_cpu.py init           # cost of the dtype upcast vs model.float() before fully_shard
     python tools/bench_cpu.py scaling        # fake process group: 8, 128, 1024 ranks
     python tools/bench_cpu.py preserve       # training-state bytes and step time: model.float(), upcast, preserve
+    python tools/bench_cpu.py decorator      # the FSDP hook wrappers inside vs outside FSDP's dynamo decorator
     python tools/bench_cpu.py all --quick    # smoke test (CI): tiny sizes, bounds not enforced
 
 Note: patched and unpatched runs alternate in blocks inside one process (and, for
@@ -45,6 +46,7 @@ BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 BOUND_RATIO = 1.03
 BOUND_ADDED_US = 20.0
 BOUND_MEMORY_RATIO = 1.005
+BOUND_DECORATOR_US = 2.0
 PLUGIN_DIR = os.path.dirname(torch_fsdp_ext.__file__)
 
 
@@ -689,9 +691,66 @@ def scaling_section(args: argparse.Namespace) -> bool:
     return same_decisions
 
 
+def measure_decorator(calls: int, rounds: int) -> dict[str, float]:
+    """µs per forward (pre- + post-forward hook) of three arrangements around the same stub FSDP hooks.
+
+    Note: FSDP marks its hooks for dynamo with a decorator (``D``); the plugin's
+    wrappers (``W``) used to call the decorated hooks, ``W(D(hook))``, and are now
+    decorated themselves and call the undecorated ones, ``D(W(hook))``. The stubs
+    stand in for FSDP's work (hundreds of µs, as noisy) so that only the
+    arrangement differs; FSDP alone is ``D(hook)``. Outside checkpoint, the
+    wrappers' common path. Arrangements alternate within each round.
+    """
+    from torch_fsdp_ext._recompute import RecomputeReplay
+
+    torch_fsdp_ext.uninstall()
+    internals = _compat.load_internals()
+    model = build_stack(1, checkpointed=False, patched=False)
+    state = fully_shard.state(model.blocks[0])
+    fix = RecomputeReplay(internals)
+
+    def pre(state, module, args, kwargs):
+        return args, kwargs
+
+    def post(state, module, input, output):
+        return output
+
+    arrangements = {}
+    for name, stub, make_wrapper in (("pre", pre, fix._wrap_pre_forward), ("post", post, fix._wrap_post_forward)):
+        decorator, _ = _compat.dynamo_decorator(internals.FSDPState.__dict__[f"_{name}_forward"])
+        arrangements.setdefault("FSDP alone: D(hook)", []).append(decorator(stub))
+        arrangements.setdefault("before: W(D(hook))", []).append(make_wrapper(decorator(stub)))
+        arrangements.setdefault("after: D(W(hook))", []).append(decorator(make_wrapper(stub)))
+    x, args, kwargs = torch.zeros(1), (torch.zeros(1),), {}
+    per_forward: dict[str, list[float]] = {name: [] for name in arrangements}
+    for round_index in range(rounds):
+        for name, (pre_hook, post_hook) in (arrangements.items() if round_index % 2 == 0
+                                            else reversed(list(arrangements.items()))):
+            start = time.process_time()
+            for _ in range(calls):
+                pre_hook(state, model.blocks[0], args, kwargs)
+                post_hook(state, model.blocks[0], args, x)
+            per_forward[name].append((time.process_time() - start) / calls * 1e6)
+    return {name: statistics.median(values) for name, values in per_forward.items()}
+
+
+def decorator_section(args: argparse.Namespace) -> bool:
+    with single_rank_group():
+        medians = measure_decorator(2000 if args.quick else 20000, args.rounds)
+    alone = medians["FSDP alone: D(hook)"]
+    print(f"\nFSDP pre+post-forward hooks around stubs, CPU µs per forward, median of {args.rounds} rounds:")
+    print(table(["arrangement", "µs/fwd", "added vs FSDP alone"],
+                [[name, f"{value:.2f}", f"{value - alone:+.2f}"] for name, value in medians.items()]))
+    change = medians["after: D(W(hook))"] - medians["before: W(D(hook))"]
+    print(f"decorating the wrappers adds {change:+.2f} µs per forward (bound +{BOUND_DECORATOR_US} µs)")
+    return change <= BOUND_DECORATOR_US
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("section", choices=["all", "overhead", "breakdown", "memory", "init", "scaling", "preserve"])
+    parser.add_argument(
+        "section", choices=["all", "overhead", "breakdown", "memory", "init", "scaling", "preserve", "decorator"]
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, bounds reported but not enforced")
     args = parser.parse_args()
     if args.quick:
@@ -703,7 +762,8 @@ def main() -> int:
         args.fraction, args.dim, args.layers, args.worlds = 0.5, 1024, 16, [8, 128, 1024]
         args.preserve_bytes_dims, args.preserve_timing_dims = (1024, 8, 4096), (128, 4, 512)
     sections = {"overhead": overhead_section, "breakdown": breakdown_section, "memory": memory_section,
-                "init": init_section, "scaling": scaling_section, "preserve": preserve_section}
+                "init": init_section, "scaling": scaling_section, "preserve": preserve_section,
+                "decorator": decorator_section}
     chosen = list(sections) if args.section == "all" else [args.section]
     print(f"torch {torch.__version__}, torch_fsdp_ext {torch_fsdp_ext.__version__}, {os.cpu_count()} CPUs")
     ok = all([sections[name](args) for name in chosen])

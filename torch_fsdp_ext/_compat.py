@@ -68,6 +68,14 @@ WRAPPED_METHODS: tuple[tuple[str, str], ...] = (
     ("recomputation_hook", "__exit__"),
 )
 
+# Note: FSDP2 marks its forward hooks (``FSDPState._pre_forward`` / ``_post_forward``)
+# for dynamo with a decorator: ``disable_if_config_true`` in ``_fsdp_state`` up to
+# 2.11 (skipped unless ``torch._dynamo.config.skip_fsdp_hooks`` is False: traceable
+# FSDP2), ``_dynamo_disable`` in ``_fsdp_common`` from 2.12 (always skipped). A plain
+# function put in their place is traced instead: a graph break where it calls the
+# original, guards on what it reads, a recompile per module class. The wrapper is
+# therefore decorated with the original's own decorator, found by ``dynamo_decorator``.
+
 # Device types whose root pre-forward moves inputs onto the FSDP device
 # (``FSDPState._root_pre_forward``); on CPU nothing is moved.
 _INPUT_MOVING_DEVICE_TYPES = frozenset({"cuda", "hpu", "xpu", "mtia"})
@@ -276,6 +284,38 @@ def change_sharded_param_dtype(fsdp_param: Any, dtype: torch.dtype) -> None:
     )
     torch.utils.swap_tensors(param, replacement)
     fsdp_param.reset_sharded_param()
+
+
+def dynamo_decorator(method: Callable) -> tuple[Callable, Callable] | None:
+    """The decorator that marks ``method`` for dynamo, and the function it decorates; None if undecorated.
+
+    Probed, not looked up by name or version: the decorator is the function of
+    ``method``'s module (its globals) whose code builds ``method``'s code, and the
+    decorated function is what ``functools.wraps`` recorded as ``__wrapped__``.
+    """
+    code = getattr(method, "__code__", None)
+    undecorated = getattr(method, "__wrapped__", None)
+    if code is None or not callable(undecorated):
+        return None
+    for candidate in method.__globals__.values():
+        if isinstance(candidate, types.FunctionType) and code in candidate.__code__.co_consts:
+            return candidate, undecorated
+    return None
+
+
+def dynamo_decorator_reads_skip_fsdp_hooks(decorator: Callable) -> bool:
+    """Does the decorated hook leave dynamo's skip to ``torch._dynamo.config.skip_fsdp_hooks`` (<= 2.11)?"""
+    return any(
+        isinstance(const, types.CodeType) and "skip_fsdp_hooks" in const.co_names
+        for const in decorator.__code__.co_consts
+    )
+
+
+def skip_fsdp_hooks() -> bool:
+    """``torch._dynamo.config.skip_fsdp_hooks``; True where the switch does not exist (2.13+)."""
+    import torch._dynamo
+
+    return bool(getattr(torch._dynamo.config, "skip_fsdp_hooks", True))
 
 
 def local_shard_numel(fsdp_param: Any) -> int:

@@ -7,6 +7,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import _compat
+
 _ABSENT = object()  # the attribute was inherited, not set on the owner itself
 
 
@@ -42,10 +44,20 @@ class PatchSet:
         self._attributes: list[_AttributePatch] = []
         self._hooks: list[_HookPatch] = []
 
-    def wrap(self, owner: Any, name: str, make_wrapper: Callable[[Any], Any]) -> None:
-        """Replace ``owner.name`` with ``make_wrapper(current)``; ``current`` may be inherited."""
+    def wrap(self, owner: Any, name: str, make_wrapper: Callable[[Any], Any], *, as_decorated: bool = False) -> None:
+        """Replace ``owner.name`` with ``make_wrapper(current)``; ``current`` may be inherited.
+
+        ``as_decorated``: when torch decorated ``current`` for dynamo, wrap the function it
+        decorates and decorate the wrapper the same way, so that dynamo treats both alike.
+        """
         original = owner.__dict__.get(name, _ABSENT)
-        replacement = make_wrapper(getattr(owner, name))
+        current = getattr(owner, name)
+        decorated = _compat.dynamo_decorator(current) if as_decorated else None
+        if decorated is None:
+            replacement = make_wrapper(current)
+        else:
+            decorator, undecorated = decorated
+            replacement = decorator(make_wrapper(undecorated))
         setattr(owner, name, replacement)
         # Recorded only once applied, so a rollback after a failed wrap undoes nothing it did not do.
         self._attributes.append(_AttributePatch(owner, name, original))

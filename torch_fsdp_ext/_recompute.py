@@ -42,6 +42,7 @@ replay entered is undone when the recomputation hook exits.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -190,8 +191,10 @@ class RecomputeReplay:
         patches.wrap(internals.recomputation_hook, "__enter__", self._wrap_recompute_enter)
         patches.wrap(internals.checkpoint_hook, "__exit__", self._wrap_exit)
         patches.wrap(internals.recomputation_hook, "__exit__", self._wrap_exit)
-        patches.wrap(internals.FSDPState, "_pre_forward", self._wrap_pre_forward)
-        patches.wrap(internals.FSDPState, "_post_forward", self._wrap_post_forward)
+        # Decorated as FSDP decorates the originals: dynamo skips (or traces) both alike.
+        patches.wrap(internals.FSDPState, "_pre_forward", self._wrap_pre_forward, as_decorated=True)
+        patches.wrap(internals.FSDPState, "_post_forward", self._wrap_post_forward, as_decorated=True)
+        _warn_if_dynamo_traces(internals.FSDPState.__dict__["_pre_forward"])
         self.active = True
         self.rebind_existing_hooks(patches)
 
@@ -369,6 +372,27 @@ class RecomputeReplay:
             autocast = torch.amp.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
             autocast.__enter__()
             yield autocast
+
+
+_warned_traced = False
+
+
+def _warn_if_dynamo_traces(wrapper: Callable) -> None:
+    """Warn once when dynamo traces FSDP's hooks, and with them our wrappers (traceable FSDP2, <= 2.11)."""
+    global _warned_traced
+    decorated = _compat.dynamo_decorator(wrapper)
+    if _warned_traced or decorated is None or not _compat.dynamo_decorator_reads_skip_fsdp_hooks(decorated[0]):
+        return
+    if not _compat.skip_fsdp_hooks():
+        _warned_traced = True
+        warnings.warn(
+            "torch_fsdp_ext: torch._dynamo.config.skip_fsdp_hooks is False (traceable FSDP2), so dynamo traces "
+            "FSDP's forward hooks and the plugin's wrappers of them. Results are unchanged, but expect graph "
+            "breaks in those hooks that FSDP alone does not have. Set skip_fsdp_hooks=True (the default) to "
+            "compile FSDP modules with the plugin at no cost.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def capture_autocast(device_type: str) -> ForwardContext:

@@ -1,0 +1,51 @@
+"""Run a training script with torch_fsdp_ext installed, without editing the script.
+
+    torchrun --nproc-per-node 8 -m torch_fsdp_ext.run train.py --lr 1e-4
+    accelerate launch -m torch_fsdp_ext.run train.py --lr 1e-4
+    python -m torch_fsdp_ext.run [--dtype-strategy STRATEGY] train.py ARGS...
+    python -m torch_fsdp_ext.run -m package.module ARGS...
+
+Imports the plugin (which installs the fixes this torch needs), then runs the script
+as ``__main__`` with ``sys.argv`` set to the script and its arguments, as ``python
+train.py ARGS`` would. Options of this launcher come before the script; everything
+after the script belongs to it. ``TORCH_FSDP_EXT_DISABLE=1`` still turns the import's
+install off; ``--dtype-strategy`` installs explicitly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch_fsdp_ext
+
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_fsdp_ext.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--dtype-strategy",
+        choices=torch_fsdp_ext.STRATEGIES,
+        help="how mixed parameter dtypes in one FSDP group are handled (installs with this strategy)",
+    )
+    parser.add_argument("-m", dest="as_module", action="store_true", help="run a module, like python -m")
+    parser.add_argument("target", help="the script (or, with -m, the module) to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    options = parser.parse_args(argv)
+
+    if options.dtype_strategy is not None:
+        torch_fsdp_ext.install(dtype_strategy=options.dtype_strategy)
+    sys.argv = [options.target, *options.args]
+    if options.as_module:
+        runpy.run_module(options.target, run_name="__main__", alter_sys=True)
+    else:
+        # As ``python train.py`` does: the script's directory first on the import path.
+        sys.path[0] = os.path.dirname(os.path.abspath(options.target))
+        runpy.run_path(options.target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
