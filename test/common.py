@@ -205,6 +205,19 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def dcp_round_trip(model: nn.Module, fresh: nn.Module, file_name: str) -> nn.Module:
+    """Save ``model`` with torch.distributed.checkpoint and load it into ``fresh`` (same sharding)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = [file_name + ".dcp"]
+    dist.broadcast_object_list(path, src=0)  # one directory for every rank
+    dcp.save(model.state_dict(), checkpoint_id=path[0])
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=path[0])
+    fresh.load_state_dict(state)
+    return fresh
+
+
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in model.named_parameters():

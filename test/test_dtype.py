@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import unittest
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.testing._internal.common_utils import run_tests
 
@@ -25,6 +23,7 @@ from common import (
     RMSNorm,
     batch,
     bf16_compute_reference,
+    dcp_round_trip,
     error_text,
     fsdp2_gradient_scale,
     full_grads,
@@ -372,17 +371,9 @@ class TestComposition(FSDPExtTestCase):
             self.assertEqual(model[0].weight.dtype, torch.float32)
 
     def test_state_dict_round_trip(self):
-        import torch.distributed.checkpoint as dcp
-
         with plugin(True):
             model, _ = self._train_seed_model()
-            path = [self.file_name + ".dcp"]
-            dist.broadcast_object_list(path, src=0)
-            dcp.save(model.state_dict(), checkpoint_id=path[0])
-            restored = shard_model(seed_000_model(seed=1), mp_policy=MP)
-            state = restored.state_dict()
-            dcp.load(state, checkpoint_id=path[0])
-            restored.load_state_dict(state)
+            restored = dcp_round_trip(model, shard_model(seed_000_model(seed=1), mp_policy=MP), self.file_name)
             mine, theirs = full_params(model), full_params(restored)
             for name in mine:
                 self.assertEqual(theirs[name].dtype, torch.float32)

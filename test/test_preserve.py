@@ -13,11 +13,9 @@ import functools
 import unittest
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.testing._internal.common_utils import run_tests
 
-import torch_fsdp_ext
 from torch_fsdp_ext import MixedParamDtypeError
 
 from common import (
@@ -28,6 +26,7 @@ from common import (
     InputCastingLinear,
     MixedPrecisionPolicy,
     batch,
+    dcp_round_trip,
     error_text,
     fsdp2_gradient_scale,
     full_grads,
@@ -42,7 +41,8 @@ from common import (
 
 PRESERVE = {"dtype_strategy": "preserve"}
 
-# (param_dtype, reduce_dtype) pairs the issue asks for.
+BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+# (param_dtype, reduce_dtype) pairs: classic mixed precision, bf16 reduction, no mixed precision.
 POLICIES = ((torch.bfloat16, torch.float32), (torch.bfloat16, None), (None, None))
 
 
@@ -153,16 +153,19 @@ class TestPreserve(FSDPExtTestCase):
         for param_dtype, reduce_dtype in POLICIES:
             self.train_and_compare(param_dtype, reduce_dtype)
 
-    def test_dtypes_of_params_grads_optimizer_state_and_shard_bytes(self):
-        loaded = loaded_dtypes(mixed_llama())
-        self.assertEqual(set(loaded.values()), {torch.bfloat16, torch.float32})
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    def one_adamw_step(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         with plugin(True, **PRESERVE):
-            model = shard_model(mixed_llama(), mp_policy=policy)
+            model = shard_model(mixed_llama(), mp_policy=BF16_FP32)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             tokens = batch(self.rank)
             lm_loss(model(tokens), tokens).backward()
             optimizer.step()
+        return model, optimizer
+
+    def test_dtypes_of_params_grads_optimizer_state_and_shard_bytes(self):
+        loaded = loaded_dtypes(mixed_llama())
+        self.assertEqual(set(loaded.values()), {torch.bfloat16, torch.float32})
+        model, optimizer = self.one_adamw_step()
         expected_bytes = 0
         for name, param in model.named_parameters():
             self.assertEqual(param.dtype, loaded[name], name)
@@ -179,22 +182,9 @@ class TestPreserve(FSDPExtTestCase):
         self.assertEqual(actual_bytes, expected_bytes)
 
     def test_dcp_checkpoint_keeps_dtypes_and_values(self):
-        import torch.distributed.checkpoint as dcp
-
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model, _ = self.one_adamw_step()
         with plugin(True, **PRESERVE):
-            model = shard_model(mixed_llama(), mp_policy=policy)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            tokens = batch(self.rank)
-            lm_loss(model(tokens), tokens).backward()
-            optimizer.step()
-            path = [self.file_name + ".dcp"]
-            dist.broadcast_object_list(path, src=0)
-            dcp.save(model.state_dict(), checkpoint_id=path[0])
-            restored = shard_model(mixed_llama(seed=1), mp_policy=policy)
-            state = restored.state_dict()
-            dcp.load(state, checkpoint_id=path[0])
-            restored.load_state_dict(state)
+            restored = dcp_round_trip(model, shard_model(mixed_llama(seed=1), mp_policy=BF16_FP32), self.file_name)
         mine, theirs = full_params(model), full_params(restored)
         for name, value in mine.items():
             self.assertEqual(theirs[name].dtype, value.dtype, name)
@@ -231,7 +221,7 @@ class TestPreserve(FSDPExtTestCase):
         self.assertEqual(model.layers[0].w1.weight.to_local().device.type, "cpu")
 
     def test_meta_device_init_then_to_empty(self):
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy = BF16_FP32
         loaded = loaded_dtypes(mixed_llama())
         with plugin(True, **PRESERVE):
             with torch.device("meta"):

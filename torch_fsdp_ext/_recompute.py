@@ -326,7 +326,6 @@ class RecomputeReplay:
 
     def _wrap_post_forward(self, original: Callable) -> Callable:
         frames = self.frames
-        fix = self
 
         @wraps(original)
         def _post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
