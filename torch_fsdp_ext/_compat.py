@@ -23,8 +23,6 @@ from typing import Any, Callable
 
 import torch
 
-from ._patching import wraps
-
 # Package that holds FSDP2's implementation, newest location first.
 #   torch >= 2.6: torch.distributed.fsdp._fully_shard
 #   torch 2.5:    torch.distributed._composable.fsdp
@@ -393,7 +391,7 @@ def wrap_reduce_for_mixed_groups(patches: Any) -> None:
     def wrap_foreach_reduce(original: Callable) -> Callable:
         signature = inspect.signature(original)
 
-        @wraps(original)
+        @functools.wraps(original, updated=())  # as _patching.wraps, which imports this module
         def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
             fsdp_params = args[0] if args else kwargs["fsdp_params"]
             mixed = fsdp_params[0].__dict__.get(_MIXED_GROUP_ATTR) if fsdp_params else None
@@ -414,7 +412,7 @@ def wrap_reduce_for_mixed_groups(patches: Any) -> None:
         return foreach_reduce
 
     def wrap_to_sharded_dtensor(original: Callable) -> Callable:
-        @wraps(original)
+        @functools.wraps(original, updated=())
         def to_sharded_dtensor(fsdp_param: Any, tensor: torch.Tensor) -> Any:
             mixed = fsdp_param.__dict__.get(_MIXED_GROUP_ATTR)
             if mixed is not None and tensor.dtype != mixed[0]:
