@@ -515,7 +515,7 @@ def run_preserve_bytes_rank(rank: int, world: int, init_file: str, setup: str, d
     dist.all_gather_object(gathered, result)
     if rank == 0:
         torch.save(gathered, result_file)
-    dist.destroy_process_group()
+    close_process_group()
 
 
 def run_preserve_timing_rank(rank: int, world: int, init_file: str, dims: tuple, rounds: int, result_file: str) -> None:
@@ -546,17 +546,31 @@ def run_preserve_timing_rank(rank: int, world: int, init_file: str, dims: tuple,
             ratios[name].append(times[name] / times["upcast"])
     if rank == 0:
         torch.save({name: statistics.median(r) for name, r in ratios.items()}, result_file)
-    dist.destroy_process_group()
+    close_process_group()
 
 
 def spawn_ranks(fn, world: int, *args) -> Any:
+    """Run ``fn(rank, world, init_file, *args, result_file)`` on ``world`` spawned ranks; rank 0's result.
+
+    Note: on torch 2.12.1's CUDA build a spawned gloo rank was seen to abort now and then
+    ("terminate called without an active exception", about 1 in 25 runs, cause not found;
+    README, Limitations). A run whose rank died by a signal is reported and run once more,
+    so that the measurement does not hinge on it; any other failure is raised.
+    """
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = os.path.join(tmp, "result.pt")
-        mp.start_processes(fn, args=(world, os.path.join(tmp, "init"), *args, result_file), nprocs=world,
-                           start_method="spawn")
-        return torch.load(result_file)
+    for attempt in (1, 2):
+        with tempfile.TemporaryDirectory() as tmp:
+            result_file = os.path.join(tmp, "result.pt")
+            try:
+                mp.start_processes(fn, args=(world, os.path.join(tmp, "init"), *args, result_file), nprocs=world,
+                                   start_method="spawn")
+            except mp.ProcessExitedException as e:
+                if attempt == 2 or e.signal_name is None:
+                    raise
+                print(f"note: a rank died by {e.signal_name} ({e}); running once more", flush=True)
+                continue
+            return torch.load(result_file)
 
 
 BOUND_PRESERVE_BYTES_RATIO = 0.52
@@ -599,25 +613,29 @@ def preserve_section(args: argparse.Namespace) -> bool:
 # -- driver ------------------------------------------------------------------------------
 
 
+def close_process_group() -> None:
+    """Every rank done with its collectives before any rank tears gloo down.
+
+    Note: a rank that destroys its gloo group while a peer still uses it can abort the
+    peer ("terminate called without an active exception"), seen once in CI on 2.12.1.
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run_rank(rank: int, world: int, init_file: str, args: argparse.Namespace, result_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     results = measure_overhead(args.sizes, args.rounds, args.reps)
     if rank == 0:
         torch.save(results, result_file)
-    dist.destroy_process_group()
+    close_process_group()
 
 
 def overhead_section(args: argparse.Namespace) -> bool:
-    import torch.multiprocessing as mp
-
     ok = True
     for world in (1, 2):
-        with tempfile.TemporaryDirectory() as tmp:
-            result_file = os.path.join(tmp, "result.pt")
-            mp.start_processes(run_rank, args=(world, os.path.join(tmp, "init"), args, result_file),
-                               nprocs=world, start_method="spawn")
-            results = torch.load(result_file)
+        results = spawn_ranks(run_rank, world, args)
         rows, section_ok = overhead_rows(results)
         ok &= section_ok
         print(f"\nHook overhead, world size {world} (gloo, CPU, torch {torch.__version__}): "
