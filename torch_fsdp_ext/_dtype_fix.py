@@ -16,19 +16,51 @@ A group that stays mixed (``preserve``) passes FSDP's check through
 ``_compat.init_mp_dtypes_of_mixed_group``; on releases whose reduce-scatter casts
 the whole output to one dtype, ``_compat`` also wraps that path so that each
 parameter receives its gradient in its own dtype.
+
+Note: a group's strategy is decided once: at the first ``install()`` that finds
+the group already built (which also upcasts it right there, before an optimizer
+or a checkpoint load can see the old dtype), else at its first lazy init. It is
+kept on the group (``GroupDecision``), so a later ``install(dtype_strategy=...)``
+does not re-apply another strategy when FSDP re-runs ``_init_mp_dtypes`` from an
+explicit ``unshard()``; that re-run only handles what changed since (a dtype the
+user changed), with the group's own strategy.
+
+Note: after ``uninstall()`` a live ``preserve`` group still needs the wrappers of
+``_init_mp_dtypes`` (``unshard()`` re-runs it) and, up to 2.14, of the reduce
+path. They are kept (``GroupKeeper``) and act only on those groups, until the
+last of them is garbage-collected; then, or at ``uninstall()`` when there is
+none, they are restored by identity.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from . import _compat
+from . import _compat, _optimizer_state
 from ._dtype_plan import MixedParamDtypeError, ParamEntry, plan_group_dtypes
 from ._dtype_strategies import make_strategy
 from ._patching import PatchSet, wraps
 from ._rank_consistency import RankConsistency
+
+_DECISION_ATTR = "_torch_fsdp_ext_dtype_decision"
+
+
+@dataclass
+class GroupDecision:
+    """What the dtype fix decided for one param group, kept on the group."""
+
+    strategy: Any  # the strategy in force when the group was decided
+    layout: tuple | None  # (dtype, requires_grad) per parameter when last prepared; None: not prepared yet
+    stays_mixed: bool = False
+
+
+def _layout(group: Any) -> tuple:
+    return tuple((p.sharded_param.dtype, p.sharded_param.requires_grad) for p in group.fsdp_params)
 
 
 class DtypeFix:
@@ -41,7 +73,6 @@ class DtypeFix:
         self.internals = internals
         self.strategy = make_strategy(strategy)
         self.active = False
-        self.counts_frozen = False
         self.ranks = RankConsistency(internals, MixedParamDtypeError)
 
     def set_strategy(self, name: str) -> None:
@@ -60,14 +91,32 @@ class DtypeFix:
         return _compat.symbol_names(self.internals, (*owners, "FSDPState._lazy_init"))
 
     def install(self, patches: PatchSet) -> None:
-        self.counts_frozen = bool(_compat.probe_dtype_check_counts_frozen())
-        group_cls = self.internals.FSDPParamGroup
-        patches.wrap(group_cls, "__init__", self._wrap_init)
-        patches.wrap(group_cls, "_init_mp_dtypes", self._wrap_init_mp_dtypes)
-        if not _compat.probe_reduce_casts_grads_per_param():
-            _compat.wrap_reduce_for_mixed_groups(patches)
+        patches.wrap(self.internals.FSDPParamGroup, "__init__", self._wrap_init)
         self.ranks.install(patches)
+        _keeper.attach(self)
         self.active = True
+
+    def release(self) -> None:
+        """At uninstall(), after ``active`` went False: what live groups do not need goes."""
+        _keeper.detach(self)
+        _optimizer_state.release()
+
+    def decide_existing_groups(self) -> None:
+        """At install(): groups built before it that no strategy has decided yet are decided now.
+
+        An upcast happens right here, so that an optimizer built and a checkpoint loaded
+        after ``install()`` see the fp32 master weights.
+        """
+        for state in _compat.fsdp_states():
+            for group in _compat.param_groups_of(state):
+                if _DECISION_ATTR in group.__dict__:
+                    continue
+                if self.strategy.name == "upcast":
+                    try:
+                        _prepare(group, self.strategy)
+                    except MixedParamDtypeError:
+                        pass  # raised again, with FQNs, at the group's lazy init
+                group.__dict__[_DECISION_ATTR] = GroupDecision(self.strategy, None)
 
     # -- hook 1: before sharding ------------------------------------------------
 
@@ -93,50 +142,118 @@ class DtypeFix:
         group_name = ", ".join(type(m).__name__ for m in modules)
         self.strategy.before_sharding(plan, group_name, mp_policy)
 
-    # -- hook 2: right before the uniform-dtype check -----------------------------
+
+# -- hook 2: right before the uniform-dtype check ---------------------------------
+
+
+def _prepare(group: Any, strategy: Any) -> bool:
+    """Hand a mixed sharded group to ``strategy``; True if it goes on with mixed dtypes."""
+    params = [ParamEntry(_compat.fsdp_param_name(p, i), p.sharded_param, p) for i, p in enumerate(group.fsdp_params)]
+    plan = plan_group_dtypes(params)
+    if not plan.is_mixed:
+        return False
+    if _compat.probe_dtype_check_counts_frozen() and strategy.name == "preserve":
+        raise MixedParamDtypeError(
+            "torch_fsdp_ext: dtype_strategy='preserve' is not supported on this torch: its _init_mp_dtypes "
+            "also counts frozen parameters. Use dtype_strategy='upcast'."
+        )
+    dtypes_before = {id(p.handle): p.tensor.dtype for p in plan.trainable}
+    stays_mixed = strategy.at_lazy_init(group, plan, repr(_compat.group_name(group)))
+    for p in plan.trainable:
+        if p.handle.sharded_param.dtype != dtypes_before[id(p.handle)]:
+            _optimizer_state.remember_upcast(p.handle.sharded_param, p.name, dtypes_before[id(p.handle)])
+    return stays_mixed
+
+
+def _init_mp_dtypes_trainable_only(original: Callable, group: Any) -> None:
+    """For releases whose check also counts frozen params: check trainable ones only."""
+    everything = group.fsdp_params
+    group.fsdp_params = [p for p in everything if _compat.fsdp_param_is_trainable(p)]
+    try:
+        original(group)
+    finally:
+        group.fsdp_params = everything
+    for p in everything:
+        p.init_dtype_attrs(_compat.param_mp_policy(group, p))
+
+
+class GroupKeeper:
+    """The wrappers of ``_init_mp_dtypes`` and of the reduce path, shared by the installed fix
+    and by the ``preserve`` groups that are still alive after ``uninstall()``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.fix: DtypeFix | None = None  # the installed fix; None after uninstall()
+        self.patches: PatchSet | None = None
+        self.kept_groups = 0  # live groups that stayed mixed
+
+    def attach(self, fix: DtypeFix) -> None:
+        with self.lock:
+            if self.patches is None:
+                patches = PatchSet()
+                try:
+                    patches.wrap(fix.internals.FSDPParamGroup, "_init_mp_dtypes", self._wrap_init_mp_dtypes)
+                    if not _compat.probe_reduce_casts_grads_per_param():
+                        _compat.wrap_reduce_for_mixed_groups(patches)
+                except Exception:
+                    patches.restore()
+                    raise
+                self.patches = patches
+            self.fix = fix
+
+    def detach(self, fix: DtypeFix) -> None:
+        with self.lock:
+            if self.fix is fix:
+                self.fix = None
+            self._restore_if_unused()
+
+    def keep(self, group: Any) -> None:
+        """``group`` stays mixed: keep the wrappers until it is garbage-collected."""
+        with self.lock:
+            if group.__dict__.get("_torch_fsdp_ext_kept"):
+                return
+            group.__dict__["_torch_fsdp_ext_kept"] = True
+            self.kept_groups += 1
+        weakref.finalize(group, self._group_collected)
+
+    def _group_collected(self) -> None:
+        with self.lock:
+            self.kept_groups -= 1
+            self._restore_if_unused()
+
+    def _restore_if_unused(self) -> None:
+        if self.fix is None and self.kept_groups == 0 and self.patches is not None:
+            self.patches.restore()
+            self.patches = None
 
     def _wrap_init_mp_dtypes(self, original: Callable) -> Callable:
-        fix = self
+        keeper = self
 
         @wraps(original)
         def _init_mp_dtypes(group: Any) -> None:
-            if not fix.active:
-                return original(group)
-            stays_mixed = fix.prepare_sharded_group(group)
-            fix.ranks.note_layout(group)
-            if stays_mixed:
+            fix = keeper.fix
+            decision = group.__dict__.get(_DECISION_ATTR)
+            if fix is None and (decision is None or not decision.stays_mixed):
+                return original(group)  # uninstalled: torch's own behaviour for every other group
+            if decision is None:
+                decision = group.__dict__[_DECISION_ATTR] = GroupDecision(fix.strategy, None)
+            layout = _layout(group)
+            if layout != decision.layout:  # first lazy init, or the user changed a dtype since
+                decision.stays_mixed = _prepare(group, decision.strategy)
+                decision.layout = _layout(group)
+            if fix is not None:
+                fix.ranks.note_layout(group)
+            if decision.stays_mixed:
+                keeper.keep(group)
                 return _compat.init_mp_dtypes_of_mixed_group(original, group)
             _compat.forget_mixed_group(group)
-            if fix.counts_frozen:
-                return fix._init_mp_dtypes_trainable_only(original, group)
+            if _compat.probe_dtype_check_counts_frozen():
+                return _init_mp_dtypes_trainable_only(original, group)
             return original(group)
 
         return _init_mp_dtypes
 
-    def prepare_sharded_group(self, group: Any) -> bool:
-        """Hand a mixed group to the strategy; True if it goes on with mixed dtypes."""
-        params = [
-            ParamEntry(_compat.fsdp_param_fqn(p) or f"<param {i}>", p.sharded_param, p)
-            for i, p in enumerate(group.fsdp_params)
-        ]
-        plan = plan_group_dtypes(params)
-        if not plan.is_mixed:
-            return False
-        if self.counts_frozen and self.strategy.name == "preserve":
-            raise MixedParamDtypeError(
-                "torch_fsdp_ext: dtype_strategy='preserve' is not supported on this torch: its _init_mp_dtypes "
-                "also counts frozen parameters. Use dtype_strategy='upcast'."
-            )
-        return self.strategy.at_lazy_init(group, plan, repr(_compat.group_name(group)))
 
-    @staticmethod
-    def _init_mp_dtypes_trainable_only(original: Callable, group: Any) -> None:
-        """For releases whose check also counts frozen params: check trainable ones only."""
-        everything = group.fsdp_params
-        group.fsdp_params = [p for p in everything if _compat.fsdp_param_is_trainable(p)]
-        try:
-            original(group)
-        finally:
-            group.fsdp_params = everything
-        for p in everything:
-            p.init_dtype_attrs(_compat.param_mp_policy(group, p))
+# Note: kept across ``importlib.reload`` (as ``_install`` keeps what is installed), so that
+# the wrappers in place are found and restored, not wrapped a second time.
+_keeper: GroupKeeper = globals().get("_keeper") or GroupKeeper()
