@@ -161,7 +161,7 @@ def _prepare(group: Any, strategy: Any) -> bool:
     stays_mixed = strategy.at_lazy_init(group, plan, repr(_compat.group_name(group)))
     for p in plan.trainable:
         if p.handle.sharded_param.dtype != dtypes_before[id(p.handle)]:
-            _optimizer_state.remember_upcast(p.handle.sharded_param, p.name, dtypes_before[id(p.handle)])
+            _optimizer_state.remember_upcast(p.handle, dtypes_before[id(p.handle)])
     return stays_mixed
 
 

@@ -22,22 +22,25 @@ import weakref
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _compat
 from ._dtype_plan import MixedParamDtypeError, format_dtype
 
 _lock = threading.Lock()
-# nn.Parameter -> (its name, the dtype it had before the upcast)
-_upcast: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# nn.Parameter -> (a weak reference to its FSDPParam, the dtype it had before the upcast)
+_upcast: WeakIdKeyDictionary = WeakIdKeyDictionary()  # by identity: tensors compare elementwise
 _hook_handle: Any = None
 
 
-def remember_upcast(param: torch.nn.Parameter, name: str, dtype_before: torch.dtype) -> None:
-    """Check ``param``'s optimizer state at the next step of each optimizer that holds it."""
+def remember_upcast(fsdp_param: Any, dtype_before: torch.dtype) -> None:
+    """Check the parameter's optimizer state at the next step of each optimizer that holds it."""
     global _hook_handle
     with _lock:
-        _upcast[param] = (name, dtype_before)
+        _upcast[fsdp_param.sharded_param] = (weakref.ref(fsdp_param), dtype_before)
         if _hook_handle is None:
-            _hook_handle = torch.optim.optimizer.register_optimizer_step_pre_hook(_check_before_step)
+            _hook_handle = register_optimizer_step_pre_hook(_check_before_step)
 
 
 def _stale_state(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, dtype_before: torch.dtype) -> list[str]:
@@ -72,7 +75,9 @@ def _check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
                 checked.append(param)
                 keys = _stale_state(optimizer, param, entry[1])
                 if keys:
-                    stale.append((entry[0], entry[1], param.dtype, keys))
+                    fsdp_param = entry[0]()  # its FQN is known once the group's lazy init ran
+                    name = _compat.fsdp_param_name(fsdp_param, 0) if fsdp_param is not None else "<param>"
+                    stale.append((name, entry[1], param.dtype, keys))
         if not stale:
             for param in checked:
                 _upcast.pop(param, None)  # its state is created in its new dtype from now on

@@ -10,6 +10,11 @@ as ``__main__`` with ``sys.argv`` set to the script and its arguments, as ``pyth
 train.py ARGS`` would. Options of this launcher come before the script; everything
 after the script belongs to it. ``TORCH_FSDP_EXT_DISABLE=1`` still turns the import's
 install off; ``--dtype-strategy`` installs explicitly.
+
+Processes the script starts itself (``torch.multiprocessing.spawn``) get the plugin too,
+with the same strategy: the launcher sets ``TORCH_FSDP_EXT_AUTOLOAD=1`` (and
+``TORCH_FSDP_EXT_DTYPE_STRATEGY``) for them, which the package's start-up hook
+(``torch_fsdp_ext.pth``) reads in every new interpreter.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if options.dtype_strategy is not None:
         torch_fsdp_ext.install(dtype_strategy=options.dtype_strategy)
+        os.environ["TORCH_FSDP_EXT_DTYPE_STRATEGY"] = options.dtype_strategy
+    os.environ["TORCH_FSDP_EXT_AUTOLOAD"] = "1"  # for interpreters the script starts (torch_fsdp_ext_startup)
     sys.argv = [options.target, *options.args]
     if options.as_module:
         runpy.run_module(options.target, run_name="__main__", alter_sys=True)
