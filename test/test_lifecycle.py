@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_fsdp_ext
-from torch_fsdp_ext import MixedParamDtypeError, _compat, _optimizer_state
+from torch_fsdp_ext import MixedParamDtypeError, _compat
 
 from common import (
     HAS_DTYPE_BUG,
@@ -127,6 +127,8 @@ torch_fsdp_ext: this optimizer holds state made before the plugin upcast these p
 Fix: install the plugin (import torch_fsdp_ext) before building the optimizer and before loading a checkpoint (install() upcasts the groups that exist then), and change parameter dtypes before fully_shard; then build the optimizer and load the checkpoint again.""",
         )
         # Without the check, the step fails inside AdamW on the stale state.
+        from torch_fsdp_ext import _optimizer_state
+
         _optimizer_state._upcast.clear()
         with self.assertRaisesRegex(RuntimeError, "dtype"):
             optimizer.step()
@@ -168,25 +170,32 @@ Fix: install the plugin (import torch_fsdp_ext) before building the optimizer an
 
     def test_preserve_reduces_in_the_reduce_dtype_asked_for(self):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-        reduced_dtypes = []
-        reduce_scatter = dist.reduce_scatter_tensor
+        reduced_dtypes = set()
+        # FSDP2 reduce-scatters through dist.reduce_scatter_single on recent releases, reduce_scatter_tensor before.
+        names = [name for name in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, name)]
+        originals = {name: getattr(dist, name) for name in names}
 
-        def recording_reduce_scatter(output, input, *args, **kwargs):
-            reduced_dtypes.append(input.dtype)
-            return reduce_scatter(output, input, *args, **kwargs)
+        def recording(name):
+            def reduce_scatter(*args, **kwargs):
+                reduced_dtypes.update(t.dtype for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+                return originals[name](*args, **kwargs)
+
+            return reduce_scatter
 
         grads = {}
         for strategy, model in (("workaround", mixed_llama().float()), ("preserve", mixed_llama())):
             with plugin(strategy == "preserve", **PRESERVE):
                 model = shard_model(model, mp_policy=policy)
                 tokens = batch(self.rank)
-                dist.reduce_scatter_tensor = recording_reduce_scatter
+                for name in names:
+                    setattr(dist, name, recording(name))
                 try:
                     lm_loss(model(tokens), tokens).backward()
                 finally:
-                    dist.reduce_scatter_tensor = reduce_scatter
+                    for name in names:
+                        setattr(dist, name, originals[name])
                 grads[strategy] = full_grads(model)
-        self.assertEqual(set(reduced_dtypes), {torch.bfloat16})
+        self.assertEqual(reduced_dtypes, {torch.bfloat16})
         for name, grad in grads["preserve"].items():
             self.assertTrue(torch.equal(grad, grads["workaround"][name].to(grad.dtype)), name)
 
@@ -224,7 +233,8 @@ Fix: install the plugin (import torch_fsdp_ext) before building the optimizer an
         reduce_module = _compat.load_internals().fsdp_param_group_module
         with plugin(True, **PRESERVE):
             original_init_mp_dtypes = group_cls._init_mp_dtypes.__wrapped__
-            original_foreach_reduce = getattr(reduce_module.foreach_reduce, "__wrapped__", None)
+            wraps_reduce = not _compat.probe_reduce_casts_grads_per_param()  # releases up to 2.14
+            original_foreach_reduce = reduce_module.foreach_reduce.__wrapped__ if wraps_reduce else None
             reference = shard_model(mixed_llama(), mp_policy=MP)
             reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
             expected = train_steps(reference, reference_optimizer, self.rank, range(3))
@@ -246,7 +256,7 @@ Fix: install the plugin (import torch_fsdp_ext) before building the optimizer an
             del model, optimizer
             gc.collect()
             self.assertIs(group_cls._init_mp_dtypes, original_init_mp_dtypes)
-            if original_foreach_reduce is not None:  # releases whose reduce path the plugin wraps
+            if wraps_reduce:
                 self.assertIs(reduce_module.foreach_reduce, original_foreach_reduce)
 
 
