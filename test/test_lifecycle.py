@@ -321,12 +321,16 @@ class TestSpawnedRanks(TestCase):
         self.assertEqual(launched["dtypes"], ["torch.float32"])
         self.assertEqual(launched["losses"], workaround["losses"])
 
-        variable = self.report(
-            self.run_script("train_seed000.py", TORCH_FSDP_EXT_AUTOLOAD="1", TORCH_FSDP_EXT_DTYPE_STRATEGY="preserve")
+        # The variable alone, in any interpreter that imports torch, with the strategy it is given.
+        probe = (
+            "import sys, torch; plugin = sys.modules.get('torch_fsdp_ext'); "
+            "print(plugin and plugin.status().fixes['dtype'].details['strategy'])"
         )
-        self.assertEqual(variable["dtypes"], ["torch.bfloat16", "torch.float32"])  # the strategy reached the ranks
-        self.assertEqual(variable["losses"][0], workaround["losses"][0])
-
+        variable = subprocess.run(
+            [self.python, "-c", probe], capture_output=True, text=True, cwd=SCRIPT_DIR,
+            env=self.env(TORCH_FSDP_EXT_AUTOLOAD="1", TORCH_FSDP_EXT_DTYPE_STRATEGY="preserve"),
+        )
+        self.assertEqual(variable.stdout.strip(), "preserve", variable.stderr)
 
 if __name__ == "__main__":
     run_tests()
