@@ -332,5 +332,6 @@ class TestSpawnedRanks(TestCase):
         )
         self.assertEqual(variable.stdout.strip(), "preserve", variable.stderr)
 
+
 if __name__ == "__main__":
     run_tests()
