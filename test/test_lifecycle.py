@@ -285,7 +285,7 @@ class TestSpawnedRanks(TestCase):
         with open(os.path.join(venv_site, "parent_env.pth"), "w") as f:  # this interpreter's torch, pip, setuptools
             f.write("\n".join(site.getsitepackages()) + "\n")
         subprocess.run(
-            [cls.python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-e", ROOT],
+            [cls.python, "-m", "pip", "install", "-q", "--no-deps", "-e", ROOT],  # as .ci/run installs it
             check=True, capture_output=True, env=cls.env(),
         )
 
