@@ -226,6 +226,30 @@ Fix: install the plugin (import torch_fsdp_ext) before building the optimizer an
             # fp32 parameters accumulate in fp32 (bf16 accumulation: 3e-3); bf16 ones in bf16.
             self.assertLess(error, 1e-5 if param.dtype == torch.float32 else 2e-2, name)
 
+    def test_what_was_fine_stays_fine_under_preserve(self):
+        """An exception in a forward, clip_grad_norm_ over mixed-dtype DTensor gradients, zero_grad(set_to_none=False)."""
+        runs = {}
+        for set_to_none in (True, False):
+            with plugin(True, **PRESERVE):
+                model = shard_model(mixed_llama(), mp_policy=MP)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+                if not set_to_none:
+                    with self.assertRaises(IndexError):
+                        model(torch.full((2, 8), 99))  # token ids past the embedding
+                for step in range(2):
+                    tokens = batch(self.rank, step)
+                    lm_loss(model(tokens), tokens).backward()
+                    grads = full_grads(model)
+                    # As clip_grad_norm_ computes it: each gradient's norm in its own dtype, then their norm.
+                    expected = torch.stack([g.norm().double() for g in grads.values()]).norm()
+                    total = nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+                    total = total.full_tensor() if hasattr(total, "full_tensor") else total
+                    torch.testing.assert_close(total.double(), expected, rtol=1e-2, atol=0)  # bf16 norms, per shard
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=set_to_none)
+                runs[set_to_none] = full_params(model)
+        assert_same_params(self, runs[False], runs[True])
+
     # -- 5: uninstall() with live preserve groups -------------------------------------
 
     def test_uninstall_keeps_live_preserve_groups_working_then_restores_originals(self):
