@@ -8,12 +8,13 @@ bit for bit like it, with the collectives of a plain bf16 group.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import unittest
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.testing._internal.common_distributed import skip_if_lt_x_gpu  # noqa: F401 - harness import
 from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.utils.checkpoint import checkpoint
 
@@ -33,6 +34,7 @@ from common import (
     plugin_specific,
     TinyLlama,
 )
+from test_integration import decoder_layers, has_transformers, tiny_llama, train_llama
 from torch_fsdp_ext import _compute_dtype
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -189,6 +191,113 @@ class TestComputeDtype(FSDPExtTestCase):
                     plain = self._train_layout(strategy, reduce_dtype, "bf16")
                     self.assertEqual(ours[2], plain[2], what)
                     self.assertLess(sum(ours[2].values()), sum(units[2].values()), what)
+
+    @unittest.skipUnless(has_transformers, "transformers is not installed (pip install '.[test]')")
+    def test_transformers_llama_through_the_switch(self):
+        """fp32 LlamaRMSNorm computing in fp32 through the default selectors (what the environment variable
+        and the launcher set), equal to the per-norm-unit workaround; DCP round trip of the mixed group."""
+        results = {}
+        for layout in ("switch", "units"):
+            with plugin(layout == "switch", dtype_strategy="preserve"):
+                model = tiny_llama()
+                policy = TorchMixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+                if layout == "units":
+                    unit = TorchMixedPrecisionPolicy(param_dtype=FP32, reduce_dtype=FP32, output_dtype=BF16)
+                    for module in model.modules():
+                        if type(module).__name__ == "LlamaRMSNorm":
+                            fully_shard(module, mp_policy=unit)
+                _compute_dtype.set_default_selectors("LlamaRMSNorm" if layout == "switch" else None)
+                try:
+                    for layer in decoder_layers(model):
+                        fully_shard(layer, mp_policy=policy)
+                    fully_shard(model, mp_policy=policy)
+                    with record_compute_dtypes(model) as seen:
+                        losses = train_llama(model, self.rank)
+                finally:
+                    _compute_dtype.set_default_selectors(None)
+                results[layout] = (losses, full_params(model), seen)
+        self.assertEqual(results["switch"][0], results["units"][0])
+        for name, value in results["switch"][1].items():
+            self.assertTrue(torch.equal(value, results["units"][1][name]), name)
+        for (_, name), dtypes in results["switch"][2].items():
+            self.assertEqual(dtypes, {FP32 if "norm" in name else BF16}, name)
+
+
+@plugin_specific
+class TestComputeDtypeErrors(TestCase):
+    """Bad input is named: the parameter, its dtype, what is allowed."""
+
+    def setUp(self):
+        super().setUp()
+        self.model = fp32_norm_model()
+        self.params = list(self.model.layers[0].parameters())
+
+    def _resolve(self, fn, param_dtype=BF16) -> str:
+        policy = torch_fsdp_ext.MixedPrecisionPolicy(param_dtype=param_dtype, param_dtype_override_fn=fn)
+        with self.assertRaises(ValueError) as raised:
+            _compute_dtype.resolve_before_sharding(self.params, (self.model.layers[0],), policy)
+        return str(raised.exception)
+
+    def test_override_returns_another_dtype(self):
+        self.assertExpectedInline(
+            self._resolve(lambda p: torch.float16),
+            """torch_fsdp_ext: param_dtype_override_fn must return None, param_dtype (torch.bfloat16), or the \
+parameter's original dtype (torch.float32) but got torch.float16 for Block:attn_norm.weight (float32)""",
+        )
+
+    def test_override_returns_a_non_dtype(self):
+        self.assertExpectedInline(
+            self._resolve(lambda p: "float32"),
+            """torch_fsdp_ext: param_dtype_override_fn must return a torch.dtype or None but got str ('float32') \
+for Block:attn_norm.weight (float32)""",
+        )
+
+    def test_policy_class_keeps_torch_semantics(self):
+        policy = torch_fsdp_ext.MixedPrecisionPolicy(param_dtype=BF16, param_dtype_override_fn=lambda p: p.dtype)
+        self.assertIsInstance(policy, TorchMixedPrecisionPolicy)
+        self.assertEqual(policy._resolve_for_param(self.model.norm.weight).param_dtype, FP32)
+        self.assertIsNone(policy._resolve_for_param(self.model.norm.weight).param_dtype_override_fn)
+        with self.assertRaises(dataclasses.FrozenInstanceError):
+            policy.param_dtype = FP32
+        with self.assertRaisesRegex(ValueError, "must return None, param_dtype, or the parameter's original dtype"):
+            dataclasses.replace(policy, param_dtype_override_fn=lambda p: torch.float16)._resolve_for_param(
+                self.model.norm.weight
+            )
+
+    def test_selector_that_matches_nothing(self):
+        with self.assertRaises(ValueError) as raised:
+            torch_fsdp_ext.compute_in_loaded_dtype(self.model, [RMSNorm, "LayerNorm", "layers.*.mlp_norm"])
+        self.assertExpectedInline(
+            str(raised.exception),
+            """torch_fsdp_ext: compute_in_loaded_dtype: 'LayerNorm' matched no module. Module classes in the model: \
+Block, Dropout, Embedding, Linear, ModuleList, RMSNorm, TinyLlama. Selectors are nn.Module classes, class names, FQN \
+globs or FQN components.""",
+        )
+        with self.assertRaisesRegex(TypeError, "takes nn.Module classes, class names or module FQN patterns, got 3"):
+            torch_fsdp_ext.compute_in_loaded_dtype(self.model, [3])
+
+    def test_environment_selector_that_matches_nothing(self):
+        _compute_dtype.set_default_selectors(" RMSNorm, NoSuchNorm ")
+        try:
+            self.assertEqual(_compute_dtype.default_selectors(), ("RMSNorm", "NoSuchNorm"))
+            _compute_dtype.resolve_before_sharding(
+                self.params, (self.model.layers[0],), TorchMixedPrecisionPolicy(param_dtype=BF16)
+            )
+            with self.assertRaises(ValueError) as raised:
+                _compute_dtype.check_defaults_matched()
+        finally:
+            _compute_dtype.set_default_selectors(None)
+        self.assertExpectedInline(
+            str(raised.exception),
+            """torch_fsdp_ext: TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE: 'NoSuchNorm' matched no module. Selectors are \
+nn.Module classes, class names, FQN globs or FQN components. No FSDP2 group built so far holds such a module.""",
+        )
+
+    def test_selectors_pick_modules(self):
+        fn = torch_fsdp_ext.compute_in_loaded_dtype(self.model, ["layers.1.attn_norm", "norm"])
+        chosen = {name for name, p in self.model.named_parameters() if fn(p) is not None}
+        self.assertEqual(chosen, {"layers.1.attn_norm.weight", "norm.weight"})
+        self.assertEqual(fn(self.model.norm.weight), FP32)
 
 
 if __name__ == "__main__":
