@@ -495,6 +495,13 @@ def cast_floating_tensors(dtype: torch.dtype, value: Any) -> Any:
     return internals.apply_to_tensors(functools.partial(internals.cast_fp_tensor, dtype), value)
 
 
+def floating_tensor_cast(dtype: torch.dtype) -> Callable[[Any], Any]:
+    """``cast_floating_tensors`` bound to ``dtype`` once, for hooks that torch.compile traces."""
+    internals = load_internals()
+    apply, cast = internals.apply_to_tensors, functools.partial(internals.cast_fp_tensor, dtype)
+    return lambda value: apply(cast, value)
+
+
 def accelerator_device_type() -> str | None:
     """This machine's accelerator ("cuda", "xpu", ...), or None.
 

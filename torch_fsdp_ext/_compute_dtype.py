@@ -380,15 +380,13 @@ def _add_boundary_casts(module: nn.Module, compute_dtype: torch.dtype, output_dt
             "cast would depend on the group."
         )
     module.__dict__[_BOUNDARY_ATTR] = (compute_dtype, output_dtype)
+    to_compute, to_output = _compat.floating_tensor_cast(compute_dtype), _compat.floating_tensor_cast(output_dtype)
 
     def cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return (
-            _compat.cast_floating_tensors(compute_dtype, args),
-            _compat.cast_floating_tensors(compute_dtype, kwargs),
-        )
+        return to_compute(args), to_compute(kwargs)
 
     def cast_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
-        return _compat.cast_floating_tensors(output_dtype, output)
+        return to_output(output)
 
     module.register_forward_pre_hook(cast_inputs, with_kwargs=True)
     module.register_forward_hook(cast_outputs)
