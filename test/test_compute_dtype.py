@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
+import sys
+import tempfile
 import unittest
 
 import torch
@@ -33,10 +36,11 @@ from common import (
     lm_loss,
     plugin,
     plugin_specific,
+    run_python,
     TinyLlama,
 )
 from test_integration import decoder_layers, has_transformers, tiny_llama, train_llama
-from torch_fsdp_ext import _compute_dtype
+from torch_fsdp_ext import _compute_dtype, run
 
 BF16, FP32 = torch.bfloat16, torch.float32
 COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "all_reduce")
@@ -345,6 +349,26 @@ globs or FQN components.""",
             """torch_fsdp_ext: TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE: 'NoSuchNorm' matched no module. Selectors are \
 nn.Module classes, class names, FQN globs or FQN components. No FSDP2 group built so far holds such a module.""",
         )
+
+    def test_environment_and_launcher_set_the_selectors(self):
+        code = "import torch_fsdp_ext; print(torch_fsdp_ext._compute_dtype.default_selectors())"
+        result = run_python(code, env={_compute_dtype.ENV_VAR: " LlamaRMSNorm, layers.*.norm "})
+        self.assertEqual(result.stdout.strip(), "('LlamaRMSNorm', 'layers.*.norm')", result.stderr)
+        with tempfile.TemporaryDirectory() as tmp:
+            script, seen = os.path.join(tmp, "train.py"), os.path.join(tmp, "seen.txt")
+            with open(script, "w") as f:
+                f.write(
+                    "import torch_fsdp_ext\n"
+                    f"open({seen!r}, 'w').write(repr(torch_fsdp_ext._compute_dtype.default_selectors()))\n"
+                )
+            argv, path = sys.argv[:], sys.path[:]
+            try:
+                run.main(["--compute-in-loaded-dtype", "RMSNorm,norm", script])
+            finally:
+                sys.argv[:], sys.path[:] = argv, path
+                _compute_dtype.set_default_selectors(None)
+            with open(seen) as f:
+                self.assertEqual(f.read(), "('RMSNorm', 'norm')")
 
     def test_selectors_pick_modules(self):
         fn = torch_fsdp_ext.compute_in_loaded_dtype(self.model, ["layers.1.attn_norm", "norm"])
