@@ -376,16 +376,17 @@ def is_mixed_group(group: Any) -> bool:
     return any(_MIXED_GROUP_ATTR in p.__dict__ for p in group.fsdp_params)
 
 
-def mark_mixed_compute_group(group: Any, round_through: dict[Any, torch.dtype]) -> None:
+def mark_mixed_compute_group(
+    group: Any, reduce_dtype: torch.dtype | None, round_through: dict[Any, torch.dtype]
+) -> None:
     """Reduce a group of one original dtype whose gradients come in several compute dtypes.
 
-    ``round_through``: FSDPParam -> the dtype its reduced gradient is rounded to first,
-    which makes one reduce in the widest dtype give what a reduce in that dtype gives.
+    ``reduce_dtype``: the policy's (None: the widest gradient dtype). ``round_through``:
+    FSDPParam -> the dtype its reduced gradient is rounded to first, which makes one
+    reduce in the widest dtype give what a reduce in that dtype gives.
     """
     for fsdp_param in group.fsdp_params:
-        fsdp_param.__dict__[_MIXED_GROUP_ATTR] = (
-            fsdp_param.orig_dtype, group._reduce_dtype, round_through.get(fsdp_param)
-        )
+        fsdp_param.__dict__[_MIXED_GROUP_ATTR] = (fsdp_param.orig_dtype, reduce_dtype, round_through.get(fsdp_param))
 
 
 def forget_mixed_group(group: Any) -> None:

@@ -299,8 +299,6 @@ def after_sharding(group: Any, overrides: GroupOverrides) -> None:
         fsdp_param = group.fsdp_params[index]
         fsdp_param.mp_policy = dataclasses.replace(overrides.policy, param_dtype=dtype)
         fsdp_param.__dict__[_COMPUTE_ATTR] = dtype
-    if overrides.compute_dtypes and not TORCH_HAS_OVERRIDE:
-        group.mp_policy = overrides.policy  # as 2.15's FSDPState keeps it: without the function
     if overrides.policy.param_dtype is not None:
         for module, dtype in overrides.boundary_modules.items():
             _add_boundary_casts(module, dtype, overrides.policy.param_dtype)
@@ -326,8 +324,8 @@ def at_lazy_init(group: Any) -> None:
     # dtype it was computed in; one reduce in the widest dtype, with each gradient
     # rounded to its compute dtype, gives the same for the parameters the override
     # leaves alone as without it.
-    round_through = {} if group._reduce_dtype is not None else compute
-    _compat.mark_mixed_compute_group(group, round_through)
+    reduce_dtype = group.mp_policy.reduce_dtype
+    _compat.mark_mixed_compute_group(group, reduce_dtype, {} if reduce_dtype is not None else compute)
 
 
 def _check_one_cast_dtype(group: Any) -> None:
