@@ -13,6 +13,7 @@ import functools
 import os
 import sys
 import tempfile
+import types
 import unittest
 import unittest.mock
 
@@ -59,19 +60,24 @@ def checkpoint_layers(model: nn.Module) -> nn.Module:
     return model
 
 
-def fp32_norm_model(seed: int = 0) -> nn.Module:
-    """A bf16 checkpoint whose RMSNorm weights are kept in fp32 (``_keep_in_fp32_modules``)."""
+def fp32_norm_model(seed: int = 0, norm: type = RMSNorm) -> nn.Module:
+    """A bf16 checkpoint whose RMSNorm weights are kept in fp32 (``_keep_in_fp32_modules``).
+
+    ``norm=Fp32RMSNorm``: the same weights, with a forward that computes in fp32 and returns
+    its input's dtype, which a hand-written 2.15-style override needs (it adds no casts).
+    """
     torch.manual_seed(seed)
     model = TinyLlama().to(BF16)
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.float()
+            module.__class__ = norm
     return model
 
 
-def reference_model(strategy: str) -> nn.Module:
+def reference_model(strategy: str, norm: type = RMSNorm) -> nn.Module:
     """What the plugin's strategy stores, built without it: fp32 masters (upcast) or the loaded dtypes."""
-    model = fp32_norm_model()
+    model = fp32_norm_model(norm=norm)
     return model.float() if strategy == "upcast" else model
 
 
@@ -167,13 +173,15 @@ def train(model: nn.Module, rank: int, steps: int = 3, checkpointed: bool = True
 
 @plugin_specific
 class TestComputeDtype(FSDPExtTestCase):
-    def _train_layout(self, strategy: str, reduce_dtype, layout: str, accumulate: bool = False, **kwargs):
+    def _train_layout(
+        self, strategy: str, reduce_dtype, layout: str, accumulate: bool = False, norm: type = RMSNorm, **kwargs
+    ):
         """Our layouts with the plugin on the loaded model; the workaround and the bf16 layout in plain torch."""
         with plugin(layout in ("override", "fn"), dtype_strategy=strategy):
-            model = fp32_norm_model() if layout in ("override", "fn") else reference_model(strategy)
+            model = fp32_norm_model(norm=norm) if layout in ("override", "fn") else reference_model(strategy, norm)
             if layout == "bf16" and strategy == "preserve":
                 model.to(BF16)
-            shard(model, layout, reduce_dtype, (RMSNorm,), **kwargs)
+            shard(model, layout, reduce_dtype, (norm,), **kwargs)
             with count_collectives() as counts, record_compute_dtypes(model) as seen:
                 losses = train(model, self.rank, accumulate=accumulate)
             return losses, full_params(model), counts, seen, model
@@ -187,12 +195,16 @@ class TestComputeDtype(FSDPExtTestCase):
             self.assertTrue(torch.equal(value, reference[1][name]), f"{what}: {name} differs after 3 steps")
 
     def test_override_equals_norm_units(self):
-        """Losses and parameters bit for bit, dtypes in forward and recompute, collectives counted."""
-        for strategy in ("upcast", "preserve"):
+        """Losses and parameters bit for bit, dtypes in forward and recompute, collectives counted.
+
+        Under upcast through ``compute_in_loaded_dtype``; under preserve through a hand-written
+        2.15-style function (``param_dtype_override_fn=lambda p: ...``), unchanged on every release.
+        """
+        for strategy, layout, norm in (("upcast", "override", RMSNorm), ("preserve", "fn", Fp32RMSNorm)):
             for reduce_dtype in (FP32, None):
-                what = f"{strategy}, reduce_dtype={reduce_dtype}"
-                ours = self._train_layout(strategy, reduce_dtype, "override")
-                units = self._train_layout(strategy, reduce_dtype, "units")
+                what = f"{strategy}, {layout}, reduce_dtype={reduce_dtype}"
+                ours = self._train_layout(strategy, reduce_dtype, layout, norm=norm)
+                units = self._train_layout(strategy, reduce_dtype, "units", norm=norm)
                 self._assert_same_training(ours, units, what)
                 for (phase, name), dtypes in ours[3].items():
                     expected = FP32 if "norm" in name else BF16
@@ -370,6 +382,23 @@ nn.Module classes, class names, FQN globs or FQN components. No FSDP2 group buil
                 _compute_dtype.set_default_selectors(None)
             with open(seen) as f:
                 self.assertEqual(f.read(), "('RMSNorm', 'norm')")
+
+    def test_two_cast_dtypes_in_one_group(self):
+        """Under upcast, keeping a loaded bf16 next to param_dtype=fp16 would need two casts in one all-gather."""
+        params = [
+            types.SimpleNamespace(_param_fqn=name, orig_dtype=FP32, param_dtype=dtype)
+            for name, dtype in (("layers.0.wq.weight", torch.float16), ("layers.0.lora_a.weight", BF16))
+        ]
+        group = types.SimpleNamespace(fsdp_params=params, _module_fqn="layers.0")
+        with self.assertRaises(ValueError) as raised:
+            _compute_dtype._check_one_cast_dtype(group)
+        self.assertExpectedInline(
+            str(raised.exception),
+            """torch_fsdp_ext: FSDP2 group 'layers.0' would cast parameters to several compute dtypes: \
+layers.0.wq.weight (float32 -> float16), layers.0.lora_a.weight (float32 -> bfloat16). A loaded dtype other than \
+param_dtype can only be kept where the parameter is stored in it. Fix: install(dtype_strategy='preserve'), or make \
+param_dtype that dtype.""",
+        )
 
     def test_selectors_pick_modules(self):
         fn = torch_fsdp_ext.compute_in_loaded_dtype(self.model, ["layers.1.attn_norm", "norm"])
