@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from . import _compat
-from ._dtype_plan import format_dtype
+from ._dtype_plan import format_dtype, param_names
 
 ENV_VAR = "TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE"
 
@@ -75,17 +75,8 @@ else:
         def _resolve_for_param(self, param: nn.Parameter) -> "MixedPrecisionPolicy":
             if self.param_dtype_override_fn is None:
                 return self
-            override = self.param_dtype_override_fn(param)
-            if override is not None and not isinstance(override, torch.dtype):
-                raise ValueError(
-                    f"param_dtype_override_fn must return a torch.dtype or None but got {type(override)}"
-                )
-            if override is not None and override not in (self.param_dtype, param.dtype):
-                raise ValueError(
-                    "param_dtype_override_fn must return None, param_dtype, or the parameter's original dtype "
-                    f"but got {override} for a parameter with dtype {param.dtype} and param_dtype {self.param_dtype}"
-                )
-            param_dtype = self.param_dtype if override is None else override
+            name = f"a parameter of shape {tuple(param.shape)}"
+            param_dtype = _resolve(self.param_dtype_override_fn, self, param, name)
             return dataclasses.replace(self, param_dtype=param_dtype, param_dtype_override_fn=None)
 
 
@@ -241,6 +232,8 @@ class GroupOverrides:
 def resolve_before_sharding(params: list[nn.Parameter], modules: tuple, mp_policy: Any) -> GroupOverrides | None:
     """Call the group's override on each parameter as loaded; None for a group without one."""
     fn = override_fn_of(mp_policy)
+    if fn is None and not _default_selectors:
+        return None
     boundary: dict[nn.Module, torch.dtype] = {}
     in_group = {id(p) for p in params}
     if fn is None and _default_selectors:
@@ -256,21 +249,13 @@ def resolve_before_sharding(params: list[nn.Parameter], modules: tuple, mp_polic
     if fn is None:
         return None
     base = dataclasses.replace(mp_policy, param_dtype_override_fn=None) if override_fn_of(mp_policy) else mp_policy
-    names = _param_names(modules)
+    names = param_names(modules)
     compute_dtypes = {}
     for index, param in enumerate(params):
         dtype = _resolve(fn, base, param, names.get(id(param), f"<param {index}>"))
         if dtype != base.param_dtype:
             compute_dtypes[index] = dtype
     return GroupOverrides(base, compute_dtypes, boundary)
-
-
-def _param_names(modules: tuple) -> dict[int, str]:
-    names = {}
-    for module in reversed(modules):
-        for name, param in module.named_parameters(remove_duplicate=False):
-            names[id(param)] = f"{type(module).__name__}:{name}"
-    return names
 
 
 def _resolve(fn: Callable, policy: Any, param: nn.Parameter, name: str) -> torch.dtype | None:
@@ -330,10 +315,10 @@ def at_lazy_init(group: Any) -> None:
 
 def _check_one_cast_dtype(group: Any) -> None:
     """FSDP's all-gather copy-in casts every parameter with a ``param_dtype`` to the first one's."""
-    cast = {p: p.param_dtype for p in group.fsdp_params if p.param_dtype is not None}
-    if len(set(cast.values())) > 1:
+    cast = [p for p in group.fsdp_params if p.param_dtype is not None]
+    if len({p.param_dtype for p in cast}) > 1:
         listing = ", ".join(
-            f"{_compat.fsdp_param_fqn(p)} ({format_dtype(p.orig_dtype)} -> {format_dtype(d)})" for p, d in cast.items()
+            f"{_compat.fsdp_param_fqn(p)} ({format_dtype(p.orig_dtype)} -> {format_dtype(p.param_dtype)})" for p in cast
         )
         raise ValueError(
             f"torch_fsdp_ext: FSDP2 group {_compat.group_name(group)!r} would cast parameters to several compute "

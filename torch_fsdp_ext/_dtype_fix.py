@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from . import _compat, _compute_dtype
-from ._dtype_plan import MixedParamDtypeError, ParamEntry, plan_group_dtypes
+from ._dtype_plan import MixedParamDtypeError, ParamEntry, param_names, plan_group_dtypes
 from ._dtype_strategies import make_strategy
 from ._patching import PatchSet, wraps
 from ._rank_consistency import RankConsistency
@@ -93,11 +93,7 @@ class DtypeFix:
         return __init__
 
     def before_sharding(self, params: list[torch.nn.Parameter], modules: tuple, mp_policy: Any) -> None:
-        names = {}
-        for module in reversed(modules):
-            prefix = type(module).__name__
-            for name, param in module.named_parameters(remove_duplicate=False):
-                names[id(param)] = f"{prefix}:{name}"
+        names = param_names(modules)
         plan = plan_group_dtypes([ParamEntry(names.get(id(p), f"<param {i}>"), p, p) for i, p in enumerate(params)])
         group_name = ", ".join(type(m).__name__ for m in modules)
         self.strategy.before_sharding(plan, group_name, mp_policy)
