@@ -17,9 +17,9 @@ The dtype fix (``_dtype_fix.py``) calls three steps:
 - ``at_lazy_init``: after ``_init_mp_dtypes``, on releases before 2.15, sets each
   overridden ``FSDPParam.param_dtype``.
 
-Note: nothing else is needed for the all-gather. Since 2.4 FSDP2 all-gathers a group
-whose all-gather inputs mix dtypes as bytes (``_get_all_gather_input_metadatas``
-falls back to ``uint8``), copies each parameter out in its own dtype, and its
+Note: nothing else is needed for the all-gather. FSDP2 all-gathers a group whose
+all-gather inputs mix dtypes as bytes (``_get_all_gather_input_metadatas`` falls back
+to ``uint8``; read in 2.12.1, 2.13.0 and 2.15.0), copies each parameter out in its own dtype, and its
 fast-path foreach cast skips parameters without a ``param_dtype``. One all-gather
 per group, as before; groups without an override are not touched at all.
 Before 2.15 the reduce-scatter takes one gradient dtype: ``_compat`` reduces such
