@@ -328,7 +328,7 @@ for Block:attn_norm.weight (float32)""",
         self.assertIsNone(policy._resolve_for_param(self.model.norm.weight).param_dtype_override_fn)
         with self.assertRaises(dataclasses.FrozenInstanceError):
             policy.param_dtype = FP32
-        with self.assertRaisesRegex(ValueError, "must return None, param_dtype .* but got torch.float16 for a param"):
+        with self.assertRaisesRegex(ValueError, "must return None, param_dtype.* but got torch.float16 for a param"):
             dataclasses.replace(policy, param_dtype_override_fn=lambda p: torch.float16)._resolve_for_param(
                 self.model.norm.weight
             )
