@@ -12,6 +12,10 @@ Two hooks hand a mixed group to the chosen strategy (``_dtype_strategies.py``):
 - right before ``_init_mp_dtypes`` (lazy init, first forward), which also catches
   dtype changes made after ``fully_shard`` and groups built before ``install()``.
 
+The ``__init__`` hook also resolves ``MixedPrecisionPolicy.param_dtype_override_fn`` on
+the parameters as loaded, before any cast, and the lazy-init hook applies it
+(``_compute_dtype.py``).
+
 A group that stays mixed (``preserve``) passes FSDP's check through
 ``_compat.init_mp_dtypes_of_mixed_group``; on releases whose reduce-scatter casts
 the whole output to one dtype, ``_compat`` also wraps that path so that each
