@@ -10,7 +10,9 @@ Two hooks hand a mixed group to the chosen strategy (``_dtype_strategies.py``):
 
 - before ``FSDPParamGroup.__init__`` shards anything (the cheapest moment to cast);
 - right before ``_init_mp_dtypes`` (lazy init, first forward), which also catches
-  dtype changes made after ``fully_shard`` and groups built before ``install()``.
+  dtype changes made after ``fully_shard``.
+
+Groups built before ``install()`` are handed to the strategy by ``install()`` itself.
 
 The ``__init__`` hook also resolves ``MixedPrecisionPolicy.param_dtype_override_fn`` on
 the parameters as loaded, before any cast, and the lazy-init hook applies it
