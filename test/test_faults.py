@@ -34,6 +34,7 @@ from common import (
     MixedPrecisionPolicy,
     RMSNorm,
     batch,
+    counting_store_calls,
     full_grads,
     full_params,
     fully_shard,
@@ -79,56 +80,6 @@ def counting_collectives():
             for namespace in (distributed_c10d, dist):
                 stack.enter_context(mock.patch.object(namespace, name, counted))
         yield counts
-
-
-class CountingStore:
-    """A process group's store that records what the plugin asks of it: calls, payload bytes, comparisons."""
-
-    def __init__(self, store, traffic: "StoreTraffic") -> None:
-        self._store, self._traffic = store, traffic
-
-    def __getattr__(self, name):
-        attr = getattr(self._store, name)
-        if not callable(attr):
-            return attr
-
-        def recorded(*args, **kwargs):
-            result = attr(*args, **kwargs)
-            self._traffic.record(name, args, result)
-            return result
-
-        return recorded
-
-
-class StoreTraffic:
-    def __init__(self) -> None:
-        self.calls: dict[str, int] = {}
-        self.bytes = 0  # keys and values sent, values received
-        self.keys: set[str] = set()
-        self.comparisons = 0
-
-    def record(self, name: str, args: tuple, result) -> None:
-        self.calls[name] = self.calls.get(name, 0) + 1
-        for value in (*args, result):
-            if isinstance(value, (str, bytes)):
-                self.bytes += len(value)
-            elif isinstance(value, list):
-                self.bytes += sum(len(key) for key in value)
-        keys = args[0] if name in ("wait", "check") else [args[0]]
-        self.keys.update(keys)
-        if name == "add" and args[0].endswith("/round") and args[1] == 1:
-            self.comparisons += 1
-
-    def total(self) -> int:
-        return sum(self.calls.values())
-
-
-@contextlib.contextmanager
-def counting_store_calls():
-    traffic = StoreTraffic()
-    original = _compat.process_group_store
-    with mock.patch.object(_compat, "process_group_store", lambda pg: CountingStore(original(pg), traffic)):
-        yield traffic
 
 
 def train_steps(model: nn.Module, optimizer, rank: int, steps: int, *, checkpointed: bool = False) -> list[float]:

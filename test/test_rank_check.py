@@ -1,0 +1,255 @@
+"""The rank-consistency check at scale: constant store traffic per rank, nothing left behind,
+no group, process-group incarnation or timeout mistaken for another.
+
+Each case is compared with plain torch where plain torch can run it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+import unittest
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torch_fsdp_ext import MixedParamDtypeError, _compat
+from torch_fsdp_ext._rank_consistency import _Comparison, comparisons_made
+
+from common import (
+    HAS_DTYPE_BUG,
+    FSDPExtTestCase,
+    MixedPrecisionPolicy,
+    RMSNorm,
+    TinyLlama,
+    CountingStore,
+    StoreTraffic,
+    batch,
+    counting_store_calls,
+    fully_shard,
+    lm_loss,
+    plugin,
+    plugin_specific,
+    seed_000_model,
+    shard_model,
+)
+from torch.testing._internal.common_utils import run_tests
+
+MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+needs_dtype_fix = unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes: the dtype fix is off")
+# What the check may cost each rank at the first forward, whatever the world size and the model.
+MAX_CALLS_PER_RANK, MAX_BYTES_PER_RANK = 12, 2048
+
+
+def train(model: nn.Module, rank: int, steps: int, *, before_first_forward=None) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        if step == 0 and before_first_forward is not None:
+            before_first_forward()
+        tokens = batch(rank, step)
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def mixed_model(plugin_on: bool, layers: int = 2, **fully_shard_kwargs) -> nn.Module:
+    """The seed-000 layout with the plugin; the same model already in fp32 for plain torch."""
+    model = seed_000_model(layers=layers)
+    if not plugin_on:
+        model.float()
+    return shard_model(model, mp_policy=MP, **fully_shard_kwargs)
+
+
+def open_files_and_threads() -> tuple[int, int]:
+    gc.collect()
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def simulated_comparison_traffic(world: int, payload: str) -> list[tuple[tuple[int, int], int, int]]:
+    """The plugin's comparison run by ``world`` threads, each with its own client of a real TCPStore.
+
+    Returns each rank's (role, calls, bytes), as ``traffic_of`` does.
+    """
+    server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    results: list = [None] * world
+
+    def rank(me: int) -> None:
+        traffic = StoreTraffic()
+        client = dist.TCPStore("127.0.0.1", server.port, world, False, timeout=timedelta(seconds=30))
+        comparison = _Comparison(CountingStore(dist.PrefixStore("0/", client), traffic), me, world, payload, "'<root>'",
+                                 timedelta(seconds=30), "the process group's timeout")
+        comparison.count()
+        comparison.conclude(MixedParamDtypeError)
+        results[me] = traffic_of(traffic)
+
+    threads = [threading.Thread(target=rank, args=(me,)) for me in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def traffic_of(traffic: StoreTraffic) -> tuple[tuple[int, int], int, int]:
+    role = (traffic.calls.get("set", 0), traffic.calls.get("delete_key", 0))  # verdict posted, keys deleted
+    return role, traffic.total(), traffic.bytes
+
+
+@needs_dtype_fix
+@plugin_specific
+class TestStoreTraffic(FSDPExtTestCase):
+    WORLD_SIZE = 4
+
+    def test_per_rank_traffic_is_the_same_at_every_world_size_and_model_size(self):
+        """Groups of 2 and 4 FSDP ranks, models of 2 and 16 blocks, and 8 simulated ranks on a TCPStore:
+        each rank's calls and bytes depend only on its role (posts the verdict, deletes the keys).
+
+        Before: world + 1 calls and ~59 bytes x parameters x world per rank, and world keys left per model.
+        """
+        records = []
+        for size in (2, 4):
+            pg = dist.new_group(list(range(size)))  # every rank takes part in new_group
+            if self.rank >= size:
+                continue
+            mesh = DeviceMesh.from_group(pg, "cpu")
+            for layers in (2, 16):
+                with plugin(True), counting_store_calls() as traffic:
+                    model = mixed_model(True, layers=layers, mesh=mesh)
+                    train(model, self.rank, steps=1)
+                dist.barrier(group=pg)  # every rank is done with the comparison
+                store = _compat.process_group_store(pg)
+                left = sorted(key for key in traffic.keys if not key.endswith("/round") and store.check([key]))
+                self.assertEqual((traffic.comparisons, left), (1, []))  # compared once; only the round counter stays
+                records.append(traffic_of(traffic))
+        every: list = [None] * self.world_size
+        dist.all_gather_object(every, records)
+        if self.rank == 0:
+            every.append(simulated_comparison_traffic(8, payload="x" * 100_000))
+        by_role: dict = {}
+        for role, calls, size_bytes in (record for rank in every for record in rank):
+            self.assertLessEqual(calls, MAX_CALLS_PER_RANK)
+            self.assertLessEqual(size_bytes, MAX_BYTES_PER_RANK)
+            by_role.setdefault(role, set()).add((calls, size_bytes))
+        self.assertEqual({role: len(costs) for role, costs in by_role.items()}, {role: 1 for role in by_role}, by_role)
+        self.assertIn((0, 0), by_role)  # most ranks neither post the verdict nor delete
+
+
+@plugin_specific
+class TestDisagreement(FSDPExtTestCase):
+    WORLD_SIZE = 4
+
+    def test_every_rank_names_the_parameters_dtypes_and_ranks_that_differ(self):
+        """Rank 2 of 4 builds its model in bf16: every rank fails with the same detailed error, no key stays."""
+        store = _compat.process_group_store(dist.group.WORLD)
+        dist.barrier()
+        keys_before = store.num_keys()
+        with plugin(True):
+            model = nn.Sequential(nn.Linear(4, 4), RMSNorm(4))
+            if self.rank == 2:
+                model.to(torch.bfloat16)
+            fully_shard(model, mp_policy=MP)
+            with self.assertRaises(MixedParamDtypeError) as caught:
+                model(torch.randn(2, 4))
+        self.assertEqual(
+            str(caught.exception).splitlines(),
+            [
+                "torch_fsdp_ext: ranks disagree on the parameter dtypes of FSDP2 group '<root>'; every rank must "
+                "build the model with the same dtypes and requires_grad flags before fully_shard:",
+                "  0.weight: rank 0: torch.float32, rank 1: torch.float32, rank 2: torch.bfloat16, rank 3: torch.float32",
+                "  0.bias: rank 0: torch.float32, rank 1: torch.float32, rank 2: torch.bfloat16, rank 3: torch.float32",
+                "  1.weight: rank 0: torch.float32, rank 1: torch.float32, rank 2: torch.bfloat16, rank 3: torch.float32",
+            ],
+        )
+        dist.barrier()
+        self.assertEqual(comparisons_made(dist.group.WORLD), 1)
+        self.assertEqual(store.num_keys() - keys_before, 1)  # the round counter
+
+
+@needs_dtype_fix
+@plugin_specific
+class TestGroupsAndIncarnations(FSDPExtTestCase):
+    def test_60_new_group_trials_leave_open_files_and_threads_as_plain_torch(self):
+        """Before: +5 open files and +3 threads per trial with the plugin (every group kept alive)."""
+        growth = {}
+        for plugin_on in (False, True):
+            before = open_files_and_threads()
+            with plugin(plugin_on):
+                for _ in range(60):
+                    pg = dist.new_group([0, 1])
+                    model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), RMSNorm(4))
+                    if not plugin_on:
+                        model.float()
+                    fully_shard(model, mesh=DeviceMesh.from_group(pg, "cpu"), mp_policy=MP)
+                    model(torch.randn(2, 4)).float().sum().backward()
+                    del model
+                    dist.destroy_process_group(pg)
+            after = open_files_and_threads()
+            growth[plugin_on] = (after[0] - before[0], after[1] - before[1])
+        for files_or_threads in (0, 1):
+            self.assertLessEqual(growth[True][files_or_threads], growth[False][files_or_threads], growth)
+
+    def _reinit(self, store, timeout: timedelta | None = None) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size, **kwargs)
+
+    def test_destroy_and_reinit_of_the_default_group_with_another_model_trains(self):
+        """Same store, same group name: the second incarnation never reads the first one's comparison.
+
+        Before: rank 0 read rank 1's entry of the first model: a false ``ranks disagree
+        on which FSDP2 groups exist`` (7 of 10 runs; always with rank 1 half a second late).
+        """
+        losses = {}
+        for plugin_on in (False, True):
+            store = dist.FileStore(f"{self.file_name}.reinit.{plugin_on}", self.world_size)
+            with plugin(plugin_on):
+                self._reinit(store)
+                first = train(mixed_model(plugin_on), self.rank, steps=2)
+                self._reinit(store)
+                torch.manual_seed(1)
+                second_model = shard_model(TinyLlama(layers=3), mp_policy=MP)  # fp32: nothing to fix
+                late = (lambda: time.sleep(0.5)) if self.rank == 1 else None
+                second = train(second_model, self.rank, steps=2, before_first_forward=late)
+                if plugin_on:
+                    self.assertEqual(comparisons_made(dist.group.WORLD), 2)  # one per model, both on this store
+                losses[plugin_on] = first, second
+        self.assertEqual(losses[True], losses[False])
+
+    def test_a_late_rank_is_awaited_for_the_process_groups_timeout_not_the_stores(self):
+        """TCPStore timeout 5 s, process-group timeout 60 s, rank 1 10 s late to its first forward.
+
+        Before: RankCheckTimeoutError on rank 0 after 5 s ("the process group's timeout"); plain torch trains.
+        """
+        port_store = dist.FileStore(f"{self.file_name}.port", self.world_size)
+        if self.rank == 0:
+            store = dist.TCPStore(
+                "127.0.0.1", 0, self.world_size, True, timeout=timedelta(seconds=5), wait_for_workers=False
+            )
+            port_store.set("port", str(store.port))
+        else:
+            port_store.wait(["port"])
+            port = int(port_store.get("port"))
+            store = dist.TCPStore("127.0.0.1", port, self.world_size, False, timeout=timedelta(seconds=5))
+        losses = {}
+        self._reinit(store, timeout=timedelta(seconds=60))
+        self.assertEqual(_compat.process_group_timeout(dist.group.WORLD), timedelta(seconds=60))
+        for plugin_on in (False, True):
+            late = (lambda: time.sleep(10)) if plugin_on and self.rank == 1 else None
+            with plugin(plugin_on):
+                losses[plugin_on] = train(mixed_model(plugin_on), self.rank, steps=2, before_first_forward=late)
+        self.assertEqual(losses[True], losses[False])
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    run_tests()
