@@ -7,7 +7,12 @@ Each case is compared with plain torch where plain torch can run it.
 from __future__ import annotations
 
 import gc
+import json
 import os
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import unittest
@@ -23,6 +28,7 @@ from torch_fsdp_ext._rank_consistency import _Comparison, comparisons_made
 
 from common import (
     HAS_DTYPE_BUG,
+    ROOT,
     FSDPExtTestCase,
     MixedPrecisionPolicy,
     RMSNorm,
@@ -38,7 +44,7 @@ from common import (
     seed_000_model,
     shard_model,
 )
-from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.common_utils import TestCase, run_tests
 
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 needs_dtype_fix = unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes: the dtype fix is off")
@@ -249,6 +255,76 @@ class TestGroupsAndIncarnations(FSDPExtTestCase):
                 losses[plugin_on] = train(mixed_model(plugin_on), self.rank, steps=2, before_first_forward=late)
         self.assertEqual(losses[True], losses[False])
         dist.barrier()
+
+
+# ---------------------------------------------------------------------------
+# torchrun: two nodes, elastic restart
+# ---------------------------------------------------------------------------
+
+SCRIPT = os.path.join(ROOT, "test", "scripts", "train_rank_check.py")
+
+
+def torchrun(out: str, *argv: str, script_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    # One intra-op thread on every node, as torchrun sets it for several processes per node: the same float sums.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    env.pop("TORCH_FSDP_EXT_DISABLE", None)
+    command = [sys.executable, "-m", "torch.distributed.run", *argv, SCRIPT, "--out", out, *script_args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=out)
+
+
+def finished(*launches: subprocess.Popen) -> None:
+    for launch in launches:
+        output, _ = launch.communicate(timeout=300)
+        assert launch.returncode == 0, output
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reports(out: str) -> dict[str, dict]:
+    found = {}
+    for name in sorted(os.listdir(out)):
+        with open(os.path.join(out, name), encoding="utf-8") as f:
+            found[name] = json.load(f)
+    return found
+
+
+@needs_dtype_fix
+@plugin_specific
+class TestTorchrun(TestCase):
+    def test_two_nodes_and_an_elastic_restart_train_as_one_node(self):
+        """Under upcast and preserve, each rank's losses equal the one-node job's:
+
+        - two torchrun agents as two nodes (--nnodes 2, c10d rendezvous on localhost);
+        - --max-restarts 1, rank 1 lost after the first forward of attempt 0: attempt 1
+          compares again (before: it read attempt 0's keys and skipped the comparison).
+        """
+        with tempfile.TemporaryDirectory() as one, tempfile.TemporaryDirectory() as two, \
+                tempfile.TemporaryDirectory() as elastic:
+            port = free_port()
+            nodes = [
+                torchrun(two, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes")
+                for node in (0, 1)
+            ]
+            single = torchrun(one, "--standalone", "--nproc-per-node", "2")
+            restarting = torchrun(elastic, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                                  script_args=("--fail-in-first-attempt",))
+            finished(single, restarting, *nodes)  # all at once: most of each launch is importing torch
+            reference, across_nodes, restarted = reports(one), reports(two), reports(elastic)
+        self.assertEqual(sorted(reference), ["rank0.attempt0.json", "rank1.attempt0.json"])
+        self.assertEqual(across_nodes, reference)
+        # Attempt 0 never finished (rank 1 exited, rank 0 was stopped by the agent).
+        self.assertEqual(sorted(restarted), ["rank0.attempt1.json", "rank1.attempt1.json"])
+        for rank in (0, 1):
+            expected = reference[f"rank{rank}.attempt0.json"]
+            self.assertEqual(restarted[f"rank{rank}.attempt1.json"], expected)
+            self.assertEqual(expected["comparisons"], 2)  # one per model: nothing skipped
+            self.assertEqual(expected["upcast"][1], ["torch.float32"])
+            self.assertEqual(expected["preserve"][1], ["torch.bfloat16", "torch.float32"])
 
 
 if __name__ == "__main__":
