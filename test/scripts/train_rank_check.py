@@ -61,8 +61,13 @@ def main() -> None:
     parser.add_argument("--fail-in-first-attempt", action="store_true")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
-    rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # Note: the agent's store outlives an attempt, and gloo's own connection setup would read the
+    # addresses the failed attempt left there (connection refused), so each attempt takes a prefix.
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}/", agent_store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    rank = dist.get_rank()
     fail = args.fail_in_first_attempt and attempt == 0 and rank == 1
     report = {"world": dist.get_world_size()}
     for strategy in ("upcast", "preserve"):
