@@ -25,7 +25,7 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
-from torch_fsdp_ext import MixedParamDtypeError, _compat, _env
+from torch_fsdp_ext import MixedParamDtypeError, _env
 from torch_fsdp_ext._rank_consistency import RankCheckTimeoutError
 
 from common import (
