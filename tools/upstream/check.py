@@ -18,7 +18,7 @@ For each patch in ``PATCHES``:
 
 Finally it checks that the patches also apply one after the other (the stack).
 Exits non-zero if any step of any patch fails; the summary names each failed step and
-test (with the first line of its error, e.g. a timeout) and how long each step took.
+test (with its exception line, e.g. a rank's assertion or a timeout) and how long each step took.
 
 Timeouts are explicit and generous, since CI machines may be loaded: each
 multi-process test (all subtests of a torch-style test run in one) may take
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -130,15 +131,21 @@ def apply(patch_file: str, tmp: str) -> bool:
     return True
 
 
+# The last "SomeError: ..." line of a failure: for a multi-process test, the rank's
+# exception (its first line only says which rank exited) or the timeout.
+EXCEPTION_LINE = re.compile(r"^\s*(?:E\s+)?((?:\w+\.)*\w*(?:Error|Exception)\w*: .*)$", re.MULTILINE)
+
+
 def failed_tests(junit_xml: str) -> list[str]:
-    """The failed tests of a pytest run, each with the first line of its error."""
+    """The failed tests of a pytest run, each with its (last) exception line."""
     if not os.path.exists(junit_xml):
         return []
     failed = []
     for case in ET.parse(junit_xml).iter("testcase"):
         for problem in (*case.iter("failure"), *case.iter("error")):
-            first_line = (problem.get("message") or "").strip().splitlines()[:1]
-            failed.append(f"{case.get('classname')}::{case.get('name')} ({''.join(first_line)[:200]})")
+            text = f"{problem.get('message') or ''}\n{problem.text or ''}"
+            reason = (EXCEPTION_LINE.findall(text) or text.strip().splitlines() or [""])[-1]
+            failed.append(f"{case.get('classname')}::{case.get('name')} ({reason.strip()[:200]})")
     return failed
 
 
