@@ -7,7 +7,7 @@ is ``min(n, device count)``, as in torch's FSDP tests, i.e. 0, so
 ``MultiProcessTestCase`` spawns no process and reports a pass; with a fixed world size
 ``FSDPTest._run`` exits with the "multi-device" skip whenever there are fewer
 accelerators than ranks (``common_fsdp.py``); and ``skip_if_lt_x_gpu(n)`` exits with it
-in the test itself. Each class here is the upstream class with the world size, the
+in the test itself. Each class here is the upstream class with the world size and the
 process-group setup replaced: ``WORLD_SIZE`` gloo ranks on CPU. With
 ``UPSTREAM_TEST_RANKS_FOR_DEVICES=1`` (for tests whose devices only stand for ranks), a
 test marked ``skip_if_lt_x_gpu(n)`` also runs when ``n <= WORLD_SIZE``, as
