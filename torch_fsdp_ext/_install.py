@@ -46,6 +46,11 @@ class Status:
     missing: list[str]
     fixes: dict[str, FixStatus]
 
+    def __str__(self) -> str:
+        from ._report import status_text
+
+        return status_text(self)
+
 
 def _make_fix(name: str, internals: _compat.TorchInternals, dtype_strategy: str) -> Any:
     if name == "dtype":
