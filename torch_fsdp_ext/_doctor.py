@@ -21,6 +21,7 @@ import torch.nn as nn
 from . import _compat
 from ._dtype_plan import MixedParamDtypeError
 from ._install import FIX_NAMES, install, status, uninstall
+from ._report import NEEDED_LEGEND, format_table, needed_word, plugin_does
 
 
 @dataclass
@@ -170,40 +171,36 @@ def run_self_test(backend: Backend, strategy: str, timeout: float = 120.0) -> di
 # -- report --------------------------------------------------------------------------
 
 
-def describe(fix: str, outcome: dict) -> tuple[str, bool]:
-    """One table cell, e.g. 'AssertionError reproduced → fixed', and whether the fix passed."""
+def describe(outcome: dict) -> tuple[str, bool]:
+    """One table cell, e.g. 'AssertionError → fixed', and whether the plugin's run passed."""
     without, with_plugin = outcome["without"], outcome["with"]
-    before = "not reproduced" if without == "ok" else f"{without} reproduced"
+    before = "no failure" if without == "ok" else without
     if with_plugin == "ok":
-        after = "fixed" if without != "ok" else "ok"
+        after = "fixed" if without != "ok" else "runs"
     else:
         after = f"still fails: {with_plugin}"
     return f"{before} → {after}", with_plugin == "ok"
 
 
-def format_table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
-
-
 def fix_rows(report, outcomes: dict) -> tuple[list[list[str]], bool]:
-    rows = [["fix", "needed", "active", "self-test (without plugin → with plugin)"]]
+    rows = [["fix", "needed", "active", "seed scenario: without → with plugin", "plugin does"]]
     healthy = True
     for name in FIX_NAMES:
         fix = report.fixes[name]
-        needed = "unsupported" if fix.needed is None else ("yes" if fix.needed else "no")
         if name in outcomes:
-            cell, passed = describe(name, outcomes[name])
+            cell, passed = describe(outcomes[name])
             healthy &= passed or not fix.needed
         else:
             cell = "not run"
-        if name == "dtype" and fix.details.get("strategy"):
-            cell += f"; strategy {fix.details['strategy']}"
-        if name == "recompute" and fix.details.get("replays"):
-            ours = [what for what, who in fix.details["replays"].items() if who == "torch_fsdp_ext"]
-            cell += f"; replays {', '.join(ours)}"
-        rows.append([name, needed, "yes" if fix.active else "no", cell])
+        rows.append([name, needed_word(fix), "yes" if fix.active else "no", cell, plugin_does(fix)])
     return rows, healthy
+
+
+LEGEND = (
+    NEEDED_LEGEND,
+    "seed scenario: the reported failure on real ranks without and with the plugin ('fixed', 'runs': result "
+    "checked); where torch repairs part of a failure, its seed scenario does not fail and the plugin covers the rest",
+)
 
 
 def doctor(world_size: int = 2) -> int:
@@ -235,4 +232,5 @@ def doctor(world_size: int = 2) -> int:
         print(f"self-test not run: FSDP2 itself fails on {backend.device_type} with this torch ({outcomes['baseline']})")
     rows, healthy = fix_rows(report, outcomes)
     print(format_table(rows))
+    print("\n".join(LEGEND))
     return 0 if healthy else 1

@@ -25,8 +25,8 @@ from typing import Any, Callable
 import torch
 
 from . import _compat
-from ._dtype_plan import MixedParamDtypeError, ParamEntry, plan_group_dtypes
-from ._dtype_strategies import make_strategy
+from ._dtype_plan import MixedParamDtypeError, ParamEntry, format_dtype, plan_group_dtypes
+from ._dtype_strategies import UPCAST_COST, make_strategy
 from ._patching import PatchSet, wraps
 from ._rank_consistency import RankConsistency
 
@@ -76,22 +76,38 @@ class DtypeFix:
 
         @wraps(original)
         def __init__(group: Any, *args: Any, **kwargs: Any) -> None:
-            if fix.active and fix.strategy.name == "upcast":
-                bound = _compat.bind_param_group_init(original, (group, *args), kwargs)
-                fix.before_sharding(bound.arguments["params"], bound.arguments["modules"], bound.arguments["mp_policy"])
+            if not (fix.active and fix.strategy.name == "upcast"):
+                return original(group, *args, **kwargs)
+            bound = _compat.bind_param_group_init(original, (group, *args), kwargs)
+            modules = bound.arguments["modules"]
+            casts = fix.before_sharding(bound.arguments["params"], modules, bound.arguments["mp_policy"])
             original(group, *args, **kwargs)
+            if casts:
+                fix.note_upcast_shards(group, casts, ", ".join(type(m).__name__ for m in modules))
 
         return __init__
 
-    def before_sharding(self, params: list[torch.nn.Parameter], modules: tuple, mp_policy: Any) -> None:
+    def before_sharding(self, params: list[torch.nn.Parameter], modules: tuple, mp_policy: Any) -> list:
+        """The strategy's cast before sharding: [(index in params, bytes added per element)]."""
         names = {}
         for module in reversed(modules):
             prefix = type(module).__name__
             for name, param in module.named_parameters(remove_duplicate=False):
                 names[id(param)] = f"{prefix}:{name}"
+        index = {id(p): i for i, p in enumerate(params)}
         plan = plan_group_dtypes([ParamEntry(names.get(id(p), f"<param {i}>"), p, p) for i, p in enumerate(params)])
         group_name = ", ".join(type(m).__name__ for m in modules)
-        self.strategy.before_sharding(plan, group_name, mp_policy)
+        casts = self.strategy.before_sharding(plan, group_name, mp_policy)
+        return [(index[id(entry.handle)], per_element) for entry, per_element in casts]
+
+    @staticmethod
+    def note_upcast_shards(group: Any, casts: list[tuple[int, int]], group_name: str) -> None:
+        """Count what the upcast costs on this rank, now that the group is sharded."""
+        # Note: FSDPParamGroup keeps its FSDPParams in the order of the params it was given.
+        fsdp_params = group.fsdp_params
+        added = sum(_compat.local_shard_numel(fsdp_params[i]) * per_element for i, per_element in casts)
+        widest = format_dtype(fsdp_params[casts[0][0]].sharded_param.dtype)
+        UPCAST_COST.add(group_name, len(casts), added, widest)
 
     # -- hook 2: right before the uniform-dtype check -----------------------------
 

@@ -12,7 +12,7 @@ import torch
 
 from . import _compat, _env
 from ._dtype_fix import DtypeFix
-from ._dtype_strategies import STRATEGIES
+from ._dtype_strategies import STRATEGIES, UPCAST_COST
 from ._patching import PatchSet
 from ._recompute import RecomputeReplay
 
@@ -187,6 +187,7 @@ def status() -> Status:
         details: dict[str, Any] = {}
         if name == "dtype":
             details["strategy"] = fix.strategy.name
+            details["upcast"] = {"params": UPCAST_COST.params, "bytes": UPCAST_COST.bytes}
         else:
             details["replays"] = fix.replays()
             details["rebound_hooks"] = patches.rebound_hooks if patches is not None else 0
