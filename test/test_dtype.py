@@ -155,6 +155,31 @@ class TestIdentityAndLateChanges(FSDPExtTestCase):
             after = full_params(model)
             self.assertFalse(torch.equal(before["layers.1.wq.weight"], after["layers.1.wq.weight"]))
 
+    @unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes")
+    @plugin_specific
+    def test_model_whose_first_forward_failed_asks_to_be_rebuilt(self):
+        tokens = batch(self.rank)
+        with plugin(False):
+            model = shard_model(seed_000_model(), mp_policy=MP)
+            with self.assertRaises(AssertionError):
+                model(tokens)
+            # Plain torch: lazy init never runs again, and the half set-up groups fail deep inside FSDP.
+            with self.assertRaises(AttributeError):
+                lm_loss(model(tokens), tokens).backward()
+            hooks_before = len(model._forward_pre_hooks)
+            reference = lm_loss(shard_model(seed_000_model().float(), mp_policy=MP)(tokens), tokens)
+        with plugin(True):
+            with self.assertRaises(RuntimeError) as caught:
+                model(tokens)
+            rebuilt = shard_model(seed_000_model(), mp_policy=MP)
+            self.assertEqual(lm_loss(rebuilt(tokens), tokens), reference, atol=0, rtol=0)
+            torch_fsdp_ext.uninstall()
+            self.assertEqual(len(model._forward_pre_hooks), hooks_before)  # uninstall removed the refusal
+        self.assertExpectedInline(
+            str(caught.exception),
+            """torch_fsdp_ext: the first forward of this FSDP2 model (root module FSDPTinyLlama) failed during FSDP's lazy initialization, which left param group(s) '<root>', 'layers.0', 'layers.1' half set up, and FSDP2 never redoes that setup on the same model. Build the model again and call fully_shard on it (with torch_fsdp_ext installed first) before the next forward.""",
+        )
+
     def test_load_state_dict_assign_with_bf16_tensors(self):
         with plugin(True):
             model = shard_model(seed_000_model().float(), mp_policy=MP)

@@ -20,6 +20,8 @@ parameter receives its gradient in its own dtype.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -43,9 +45,13 @@ class DtypeFix:
         self.active = False
         self.counts_frozen = False
         self.ranks = RankConsistency(internals, MixedParamDtypeError)
+        self._patches: PatchSet | None = None
+        self._refused: weakref.WeakSet = weakref.WeakSet()  # root modules whose forward now raises
 
     def set_strategy(self, name: str) -> None:
         self.strategy = make_strategy(name)
+        if self.active:
+            self.refuse_half_initialised_models(self._patches)
 
     def needed(self) -> tuple[bool, str]:
         rejects = _compat.probe_rejects_mixed_trainable_dtypes()
@@ -67,7 +73,29 @@ class DtypeFix:
         if not _compat.probe_reduce_casts_grads_per_param():
             _compat.wrap_reduce_for_mixed_groups(patches)
         self.ranks.install(patches)
+        self.refuse_half_initialised_models(patches)
+        self._patches = patches
         self.active = True
+
+    def refuse_half_initialised_models(self, patches: PatchSet) -> None:
+        """A model whose first forward failed in FSDP's lazy init (before this fix, or under
+        ``dtype_strategy="error"``) cannot be repaired in place: its next forward says so
+        instead of failing with an ``AttributeError`` deep inside FSDP."""
+        for modules, unfinished in _compat.half_initialised_roots():
+            if any(module in self._refused for module in modules):
+                continue
+            roots = ", ".join(type(module).__name__ for module in modules)
+            message = (
+                f"torch_fsdp_ext: the first forward of this FSDP2 model (root module {roots}) failed during FSDP's "
+                f"lazy initialization, which left param group(s) {', '.join(map(repr, unfinished))} half set up, "
+                "and FSDP2 never redoes that setup on the same model. Build the model again and call fully_shard "
+                "on it (with torch_fsdp_ext installed first) before the next forward."
+            )
+            for module in modules:
+                # Note: torch's public hook API, ahead of FSDP's own pre-forward hook.
+                hook = functools.partial(_refuse_forward, message)
+                patches.add_handle(module.register_forward_pre_hook(hook, prepend=True))
+                self._refused.add(module)
 
     # -- hook 1: before sharding ------------------------------------------------
 
@@ -156,3 +184,7 @@ class DtypeFix:
             group.fsdp_params = everything
         for p in everything:
             p.init_dtype_attrs(_compat.param_mp_policy(group, p))
+
+
+def _refuse_forward(message: str, module: torch.nn.Module, args: tuple) -> None:
+    raise RuntimeError(message)
