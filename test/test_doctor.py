@@ -53,6 +53,11 @@ dtype      yes     yes     AssertionError → fixed                strategy upca
 recompute  partly  yes     no failure → runs                     replays root input move, autocast state (torch: input cast, output cast)""",
             )
             self.assertIn("partly = this torch repairs part of it and the plugin the rest", result.stdout)
+            # README.md shows this release's output: it must be what doctor prints.
+            with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+                readme = f.read()
+            for line in result.stdout.splitlines()[4:]:
+                self.assertIn(f"    {line}\n", readme)
         else:
             self.skipTest("no expected table for a torch without the dtype bug")
 

@@ -8,6 +8,7 @@ absence of an exception.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -126,6 +127,8 @@ def _rank_main(rank: int, backend: Backend, strategy: str, init_file: str, resul
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend.name, init_method=f"file://{init_file}", rank=rank, world_size=backend.world_size)
+    # The scenarios upcast on purpose: the cost warning meant for training runs is noise in this report.
+    logging.getLogger("torch_fsdp_ext").setLevel(logging.ERROR)
     results = {}
     try:
         uninstall()
