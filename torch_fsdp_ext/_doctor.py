@@ -143,6 +143,7 @@ def _rank_main(rank: int, backend: Backend, strategy: str, init_file: str, resul
             without = _outcome(fn, device, strategy)
             install(dtype_strategy=strategy)
             results[name] = {"without": without, "with": _outcome(fn, device, strategy)}
+        dist.barrier()  # every rank done with gloo before any rank tears it down
     except Exception:  # noqa: BLE001
         results["error"] = traceback.format_exc()
     finally:
