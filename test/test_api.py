@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import re
 import textwrap
 import types
 
@@ -102,7 +101,8 @@ class TestReadableState(TestCase):
         self.assertEqual(lines[1], "fix        needed  active  strategy  wrapped torch methods")
         dtype, recompute = report.fixes["dtype"], report.fixes["recompute"]
         needed = "yes" if HAS_DTYPE_BUG else "no"
-        self.assertRegex(lines[2], rf"^dtype +{needed} +{'yes' if dtype.active else 'no'} +{dtype.details['strategy']} +{len(dtype.wraps)}$")
+        active = "yes" if dtype.active else "no"
+        self.assertRegex(lines[2], rf"^dtype +{needed} +{active} +{dtype.details['strategy']} +{len(dtype.wraps)}$")
         recompute_needed = "yes" if HAS_RECOMPUTE_CAST_BUG else "partly"  # torch >= 2.13 replays the input cast
         self.assertRegex(lines[3], rf"^recompute +{recompute_needed} +yes +- +{len(recompute.wraps)}$")
         self.assertIn(f"dtype: {dtype.reason}", lines)
