@@ -8,7 +8,8 @@ not a strategy stops the import with a ``ValueError``). See README.md.
 
 import warnings as _warnings
 
-from . import _env, _install
+from . import _compute_dtype, _env, _install
+from ._compute_dtype import LoadedDtypeModules, MixedPrecisionPolicy, compute_in_loaded_dtype
 from ._dtype_plan import MixedParamDtypeError
 from ._dtype_strategies import STRATEGIES
 from ._install import FIX_NAMES, FixStatus, Status, install, installed, status, uninstall
@@ -18,9 +19,12 @@ __all__ = [
     "FIX_NAMES",
     "STRATEGIES",
     "FixStatus",
+    "LoadedDtypeModules",
+    "MixedPrecisionPolicy",
     "MixedParamDtypeError",
     "RankCheckTimeoutError",
     "Status",
+    "compute_in_loaded_dtype",
     "install",
     "installed",
     "status",
@@ -28,6 +32,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+_compute_dtype.set_default_selectors(_compute_dtype.selectors_from_env())
 # Note: raises on a strategy it cannot honour; training with the default instead would
 # silently double the training state a user chose "preserve" to avoid.
 _install.set_default_dtype_strategy(_env.choice("TORCH_FSDP_EXT_DTYPE_STRATEGY", STRATEGIES))
