@@ -57,6 +57,7 @@ def train(args: argparse.Namespace) -> None:
         dtypes = sorted({str(p.dtype) for p in model.parameters()})
         print(json.dumps({"losses": losses, "dtypes": dtypes, "plugin_imported": "torch_fsdp_ext" in sys.modules,
                           "argv": sys.argv[1:]}), flush=True)
+    dist.barrier()  # every rank done with gloo before any rank tears it down
     dist.destroy_process_group()
 
 
