@@ -124,7 +124,8 @@ class DtypeFix:
             for group in _compat.param_groups_of(state):
                 if _DECISION_ATTR in group.__dict__:
                     continue
-                if self.strategy.name == "upcast":
+                # Note: only before the state's first lazy init; one that failed part-way is refused instead.
+                if self.strategy.name == "upcast" and _compat.is_root_flag(state) is None:
                     try:
                         _prepare(group, self.strategy)
                     except MixedParamDtypeError:
