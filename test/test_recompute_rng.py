@@ -101,13 +101,18 @@ class DeviceDropout(nn.Module):
 
 
 class Block(nn.Module):
+    """Also takes a tensor that its caller keeps on CPU (e.g. lengths read on the host)."""
+
     def __init__(self, accelerator: StandInAccelerator) -> None:
         super().__init__()
+        self.accelerator = accelerator
         self.lin = nn.Linear(DIM, DIM)
         self.dropout = DeviceDropout(accelerator)
+        self.host_input_moved: list[bool] = []  # per forward or recomputation
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.dropout(torch.tanh(self.lin(x)))
+    def forward(self, x: torch.Tensor, host_scale: torch.Tensor) -> torch.Tensor:
+        self.host_input_moved.append(self.accelerator.is_moved(host_scale))
+        return x + self.dropout(torch.tanh(self.lin(x))) * host_scale
 
 
 class Model(nn.Module):
@@ -121,8 +126,9 @@ class Model(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.input_moved.append(self.accelerator.is_moved(x))
         x = self.in_proj(x)
+        host_scale = torch.full((1,), 0.5)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, host_scale)
         return x
 
     def masks(self) -> list[list[torch.Tensor]]:
@@ -141,8 +147,9 @@ def sharded_model(rank: int) -> tuple[Model, StandInAccelerator, torch.Tensor]:
     model(inp).sum().backward()
     model.zero_grad(set_to_none=True)
     model.input_moved.clear()
-    for masks in model.masks():
-        masks.clear()
+    for block in model.blocks:
+        block.dropout.masks.clear()
+        block.host_input_moved.clear()
     accelerator.generator.manual_seed(1234)
     return model, accelerator, inp
 
@@ -160,6 +167,7 @@ class RecomputeRNGTestCase(FSDPExtTestCase):
             "grads": full_grads(model),
             "masks": model.masks(),
             "input_moved": model.input_moved,
+            "host_input_moved": [block.host_input_moved for block in model.blocks],
             "rng_after_backward": accelerator.generator.get_state(),
         }
 
@@ -185,6 +193,8 @@ class TestRootInputMoveRNG(RecomputeRNGTestCase):
         # Plain torch does not move the inputs in the recomputation (on a device: a device mismatch).
         self.assertEqual(unfixed["input_moved"], [True, False])
         self.assertEqual(fixed["input_moved"], [True, True])
+        # The blocks ran nested in the forward: their CPU input stays on CPU in the recomputation too.
+        self.assertEqual(fixed["host_input_moved"], [[False, False], [False, False]])
         for forward_and_recompute in fixed["masks"]:
             self.assertEqual(len(forward_and_recompute), 2)
             self.assertEqual(forward_and_recompute[0], forward_and_recompute[1])

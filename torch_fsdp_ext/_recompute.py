@@ -330,6 +330,8 @@ class RecomputeReplay:
                     args, kwargs = fix.replay_pre_forward(recompute, state, module, context, args, kwargs)
                 args, kwargs = original(state, module, args, kwargs)
             else:
+                if context is not None:  # ran in the recomputed region's forward; its own backward has not begun
+                    fix.replay_root_claim(recompute, state, module, context)
                 context = capture_autocast(state._device.type) if _compat.any_autocast_enabled() else _PLAIN_FORWARD
                 claims_root = state._state_ctx.iter_forward_root is None
                 args, kwargs = original(state, module, args, kwargs)
@@ -417,6 +419,25 @@ class RecomputeReplay:
             f"{device} (the region's positional tensor arguments are on CPU), so its recomputation cannot "
             f"draw the same numbers as the forward. Move the inputs to {device} before calling checkpoint."
         )
+
+    def replay_root_claim(self, recompute: _RecomputeFrame, state: Any, module: Any, context: ForwardContext) -> None:
+        """Make the root claim of a module that FSDP runs as a forward in a recomputation what it was in the forward.
+
+        Note: while a checkpointed root is recomputed, its nested FSDP modules
+        are still ``IDLE`` and take FSDP's forward path, where the first of them
+        finds no iteration root and claims it: it would move its inputs, which
+        its caller passed as the forward did (a tensor kept on CPU would land on
+        the device). Holding the claim for a module that did not move inputs in
+        the forward skips that move; its post-forward releases the claim, as the
+        iteration root's does. A module that did move them gets the device's RNG
+        state of its forward, as in a replay.
+        """
+        if state._state_ctx.iter_forward_root is not None:
+            return
+        if context.moved_to is None:
+            state._state_ctx.iter_forward_root = state
+        elif recompute.device_rng_on_entry is not None and not self.upstream_moves_inputs:
+            self.replay_device_rng(recompute, module, context)
 
     def replay_pre_forward(
         self, recompute: _RecomputeFrame, state: Any, module: Any, context: ForwardContext, args: tuple, kwargs: dict
