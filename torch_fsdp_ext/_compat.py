@@ -504,6 +504,13 @@ def checkpoint_preserves_rng_state(recompute_fn: Callable) -> bool:
         return True
 
 
+def has_tensors_off(device: torch.device, value: Any) -> bool:
+    """Would the root's input move change ``value`` (a tensor in it is not on ``device``)?"""
+    off = []
+    load_internals().apply_to_tensors(lambda tensor: off.append(tensor.device != device) or tensor, value)
+    return any(off)
+
+
 def cast_floating_tensors(dtype: torch.dtype, value: Any) -> Any:
     """FSDP2's own mixed-precision cast (floating tensors only, nested containers)."""
     internals = load_internals()

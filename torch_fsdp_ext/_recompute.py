@@ -331,7 +331,7 @@ class RecomputeReplay:
                 args, kwargs = original(state, module, args, kwargs)
             else:
                 if context is not None:  # ran in the recomputed region's forward; its own backward has not begun
-                    fix.replay_root_claim(recompute, state, module, context)
+                    fix.replay_root_claim(recompute, state, module, context, (args, kwargs))
                 context = capture_autocast(state._device.type) if _compat.any_autocast_enabled() else _PLAIN_FORWARD
                 claims_root = state._state_ctx.iter_forward_root is None
                 args, kwargs = original(state, module, args, kwargs)
@@ -383,7 +383,7 @@ class RecomputeReplay:
         for ``device``, and a recomputation would draw other random numbers
         there (other dropout masks) than the forward did.
         """
-        if self.upstream_moves_inputs:
+        if self.upstream_moves_inputs or stack[-1] is recompute:  # the latter: recorded in no region
             return context._replace(moved_to=device)
         for entry in reversed(stack):
             if entry is recompute:
@@ -420,22 +420,27 @@ class RecomputeReplay:
             f"draw the same numbers as the forward. Move the inputs to {device} before calling checkpoint."
         )
 
-    def replay_root_claim(self, recompute: _RecomputeFrame, state: Any, module: Any, context: ForwardContext) -> None:
+    def replay_root_claim(
+        self, recompute: _RecomputeFrame, state: Any, module: Any, context: ForwardContext, inputs: tuple
+    ) -> None:
         """Make the root claim of a module that FSDP runs as a forward in a recomputation what it was in the forward.
 
         Note: while a checkpointed root is recomputed, its nested FSDP modules
         are still ``IDLE`` and take FSDP's forward path, where the first of them
         finds no iteration root and claims it: it would move its inputs, which
         its caller passed as the forward did (a tensor kept on CPU would land on
-        the device). Holding the claim for a module that did not move inputs in
-        the forward skips that move; its post-forward releases the claim, as the
-        iteration root's does. A module that did move them gets the device's RNG
-        state of its forward, as in a replay.
+        the device). Where that move would change an input of a module that did
+        not move inputs in the forward, the claim is held for the module, which
+        skips the move (and the root's stream waits, which FSDP skips for nested
+        modules too); its post-forward releases the claim, as the iteration
+        root's does. A module that did move them gets the device's RNG state of
+        its forward, as in a replay.
         """
         if state._state_ctx.iter_forward_root is not None:
             return
         if context.moved_to is None:
-            state._state_ctx.iter_forward_root = state
+            if _compat.moves_inputs_to(state._device) and _compat.has_tensors_off(state._device, inputs):
+                state._state_ctx.iter_forward_root = state
         elif recompute.device_rng_on_entry is not None and not self.upstream_moves_inputs:
             self.replay_device_rng(recompute, module, context)
 
