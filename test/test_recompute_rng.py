@@ -24,7 +24,6 @@ runs the real thing where CUDA exists.
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 import unittest
 from typing import Callable, Iterator
