@@ -115,16 +115,17 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, accelerator: StandInAccelerator) -> None:
+    def __init__(self, accelerator: StandInAccelerator, root_ops: bool = True) -> None:
         super().__init__()
         self.accelerator = accelerator
-        self.in_proj = nn.Linear(DIM, DIM)
+        self.in_proj = nn.Linear(DIM, DIM) if root_ops else None  # None: hands its input straight to block 0
         self.blocks = nn.ModuleList(Block(accelerator) for _ in range(2))
         self.input_moved: list[bool] = []  # per forward or recomputation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.input_moved.append(self.accelerator.is_moved(x))
-        x = self.in_proj(x)
+        if self.in_proj is not None:
+            x = self.in_proj(x)
         host_scale = torch.full((1,), 0.5)
         for block in self.blocks:
             x = block(x, host_scale)
@@ -134,11 +135,11 @@ class Model(nn.Module):
         return [block.dropout.masks for block in self.blocks]
 
 
-def sharded_model(rank: int) -> tuple[Model, StandInAccelerator, torch.Tensor]:
+def sharded_model(rank: int, root_ops: bool = True) -> tuple[Model, StandInAccelerator, torch.Tensor]:
     """A sharded model, lazily initialized by one forward and backward, and this rank's CPU input."""
     accelerator = StandInAccelerator()
     torch.manual_seed(0)
-    model = Model(accelerator)
+    model = Model(accelerator, root_ops)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
@@ -154,9 +155,9 @@ def sharded_model(rank: int) -> tuple[Model, StandInAccelerator, torch.Tensor]:
 
 
 class RecomputeRNGTestCase(FSDPExtTestCase):
-    def step(self, run: Callable[[Model, torch.Tensor], torch.Tensor]) -> dict:
+    def step(self, run: Callable[[Model, torch.Tensor], torch.Tensor], root_ops: bool = True) -> dict:
         """One forward and backward of ``run`` on the stand-in device; what it drew and left."""
-        model, accelerator, inp = sharded_model(self.rank)
+        model, accelerator, inp = sharded_model(self.rank, root_ops)
         with accelerator.as_device_of(model):
             out = run(model, inp)
             # A draw after the region: the stream the recomputation must leave is not where the region left it.
@@ -209,6 +210,21 @@ class TestRootInputMoveRNG(RecomputeRNGTestCase):
 @plugin_specific
 class TestRootInputMoveRNGEdges(RecomputeRNGTestCase):
     WORLD_SIZE = 1
+
+    def test_root_that_hands_its_input_to_a_nested_block(self):
+        """Plain torch runs this recomputation silently wrong: block 0 claims the iteration root and moves the input."""
+        with plugin(False):
+            reference = self.step(lambda model, inp: model(inp), root_ops=False)
+            unfixed = self.step(checkpointed_root, root_ops=False)
+        with plugin(True):
+            fixed = self.step(checkpointed_root, root_ops=False)
+        self.assertEqual(unfixed["input_moved"], [True, False])
+        self.assertFalse(any(torch.equal(*masks) for masks in unfixed["masks"]))  # other masks, no error
+        self.assertNotEqual(unfixed["grads"], reference["grads"])
+        self.assertEqual(fixed["input_moved"], [True, True])
+        self.assertTrue(all(torch.equal(*masks) for masks in fixed["masks"]))
+        self.assertEqual(fixed["grads"], reference["grads"], atol=0, rtol=0)
+        self.assertEqual(fixed["rng_after_backward"], reference["rng_after_backward"])
 
     def test_draw_on_the_device_before_the_move_raises(self):
         def draws_then_runs_root(model: Model, inp: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,15 @@ The device's RNG: each state's device handle (``torch.cuda`` on a CUDA device, w
 ``get_rng_state`` FSDP reads) is a ``StandInDeviceHandle`` whose RNG is a
 ``torch.Generator`` of its own; ``DeviceDropout`` draws its mask from it, as dropout on a
 CUDA tensor draws from the CUDA generator. Checkpoint does not know that generator, as
-it does not know a CUDA device's when every positional argument is on CPU. In
-``root_with_device_dropout`` the recomputation would draw other masks than the forward,
-so the patched FSDP must raise instead of replaying the move.
+it does not know a CUDA device's when every positional argument is on CPU. In the
+``*_with_device_dropout`` layouts the recomputation would draw other masks than the
+forward, so the patched FSDP must raise instead of replaying the move. In
+``bare_root_with_device_dropout`` (the root hands its input straight to block 0) unpatched
+FSDP already runs the recomputation, silently: block 0, still idle, claims the iteration
+root and moves the input.
 
-Run by ``check.py`` against the patched FSDP2 copy; against unpatched torch 2.15.0 the
-``root``, ``root_with_device_dropout`` and ``block_run_alone`` cases fail.
+Run by ``check.py`` against the patched FSDP2 copy; against unpatched torch 2.15.0 every
+case but ``nested_blocks`` fails.
 """
 
 from __future__ import annotations
@@ -88,10 +91,11 @@ class Block(nn.Module):
         self.lin = nn.Linear(dim, dim)
         self.moved = moved
         self.host_input_moved: list[bool] = []  # one entry per forward or recomputation
+        self.dropout = nn.Identity()
 
     def forward(self, x: torch.Tensor, host_scale: torch.Tensor) -> torch.Tensor:
         self.host_input_moved.append(host_scale in self.moved)
-        return torch.relu(self.lin(x)) * host_scale
+        return self.dropout(torch.relu(self.lin(x))) * host_scale
 
 
 class Model(nn.Module):
@@ -103,10 +107,12 @@ class Model(nn.Module):
         self.input_moved: list[bool] = []
         self.checkpoint_blocks = False
         self.dropout = nn.Identity()
+        self.root_ops = True  # False: hands its input straight to block 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.input_moved.append(x in self.moved)
-        x = self.dropout(self.in_proj(x))
+        if self.root_ops:
+            x = self.dropout(self.in_proj(x))
         host_scale = torch.full((1,), 0.5)
         for block in self.blocks:
             x = checkpoint(block, x, host_scale, use_reentrant=False) if self.checkpoint_blocks else block(x, host_scale)
@@ -116,7 +122,10 @@ class Model(nn.Module):
 class TestRecomputeInputsOnCPU(FSDPExtTestCase):
     WORLD_SIZE = 2
 
-    @parametrize("checkpointed", ["root", "root_with_device_dropout", "nested_blocks", "block_run_alone"])
+    @parametrize(
+        "checkpointed",
+        ["root", "root_with_device_dropout", "bare_root_with_device_dropout", "nested_blocks", "block_run_alone"],
+    )
     def test_checkpoint_with_cpu_inputs(self, checkpointed: str) -> None:
         moved = MovedTensors()
         torch.manual_seed(42)
@@ -142,8 +151,15 @@ class TestRecomputeInputsOnCPU(FSDPExtTestCase):
             model.input_moved.clear()
             for block in model.blocks:
                 block.host_input_moved.clear()
-            if checkpointed == "root_with_device_dropout":
+            if checkpointed == "bare_root_with_device_dropout":
+                # Unpatched, block 0 claims the iteration root in the recomputation and moves the input:
+                # it runs, with other masks than the forward's (no error).
+                model.root_ops = False
+                for block in model.blocks:
+                    block.dropout = DeviceDropout(device_handle)
+            elif checkpointed == "root_with_device_dropout":
                 model.dropout = DeviceDropout(device_handle)
+            if checkpointed.endswith("with_device_dropout"):
                 loss = checkpoint(model, inp, use_reentrant=False).sum()
                 with self.assertRaisesRegex(RuntimeError, "Move the inputs to cuda before calling checkpoint"):
                     loss.backward()
