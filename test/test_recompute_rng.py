@@ -238,6 +238,11 @@ class TestRootInputMoveRNGEdges(RecomputeRNGTestCase):
             """torch_fsdp_ext: a checkpointed region drew random numbers on cuda before the FSDP root FSDPModel moved its inputs there. torch.utils.checkpoint saved no RNG state for cuda (the region's positional tensor arguments are on CPU), so its recomputation cannot draw the same numbers as the forward. Move the inputs to cuda before calling checkpoint.""",
         )
 
+    def test_device_without_rng_functions_raises(self):
+        with plugin(True), mock.patch.object(StandInAccelerator, "get_rng_state", None):
+            with self.assertRaisesRegex(RuntimeError, "cannot read the RNG state of cuda"):
+                self.step(checkpointed_root)
+
     def test_preserve_rng_state_false_leaves_the_device_rng_alone(self):
         """Checkpoint then restores no RNG state on any device: the recomputation draws the stream's next numbers."""
         with plugin(True):

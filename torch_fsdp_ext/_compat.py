@@ -480,8 +480,10 @@ def device_rng_module(device: torch.device) -> Any:
     return torch.get_device_module(device)
 
 
-def device_rng_state(device: torch.device) -> torch.Tensor:
-    return device_rng_module(device).get_rng_state(device)
+def device_rng_state(device: torch.device) -> torch.Tensor | None:
+    """``device``'s RNG state; None where its module has no RNG functions (a backend without them)."""
+    get_rng_state = getattr(device_rng_module(device), "get_rng_state", None)
+    return get_rng_state(device) if get_rng_state is not None else None
 
 
 def set_device_rng_state(device: torch.device, state: torch.Tensor) -> None:

@@ -305,7 +305,8 @@ class RecomputeReplay:
                     if entry.device_rng_on_entry is not None:
                         # As fork_rng ends checkpoint's recomputation for the devices it knows.
                         for device, rng_state in entry.device_rng_on_entry.items():
-                            _compat.set_device_rng_state(device, rng_state)
+                            if rng_state is not None:
+                                _compat.set_device_rng_state(device, rng_state)
             return original(hook, exc_type, exc_value, traceback)
 
         return __exit__
@@ -407,6 +408,12 @@ class RecomputeReplay:
         """
         device, forward_state = context.moved_to, context.device_rng_state
         current = _compat.device_rng_state(device)
+        if current is None or forward_state is None:
+            raise RuntimeError(
+                f"torch_fsdp_ext: cannot read the RNG state of {device}, so the recomputation of a checkpointed "
+                f"region cannot draw the forward's random numbers there after the FSDP root "
+                f"{type(module).__name__} moves its inputs. Move the inputs to {device} before calling checkpoint."
+            )
         if torch.equal(current, forward_state):
             return
         if device not in recompute.device_rng_set and torch.equal(current, recompute.device_rng_on_entry[device]):
