@@ -335,9 +335,10 @@ class RecomputeReplay:
                     fix.replay_root_claim(recompute, state, module, context, (args, kwargs))
                 context = capture_autocast(state._device.type) if _compat.any_autocast_enabled() else _PLAIN_FORWARD
                 claims_root = state._state_ctx.iter_forward_root is None
+                inputs = (args, kwargs) if claims_root else None
                 args, kwargs = original(state, module, args, kwargs)
                 if claims_root and state._state_ctx.iter_forward_root is state and _compat.moves_inputs_to(state._device):
-                    context = fix.record_input_move(stack, recompute, context, state._device)
+                    context = fix.record_input_move(stack, recompute, context, state._device, inputs)
             if stack[-1] is not recompute:
                 # Forward frames above the innermost recompute: this region, and checkpoints nested in it.
                 for entry in reversed(stack):
@@ -374,9 +375,12 @@ class RecomputeReplay:
         return _post_forward
 
     def record_input_move(
-        self, stack: list, recompute: _RecomputeFrame | None, context: ForwardContext, device: torch.device
+        self, stack: list, recompute: _RecomputeFrame | None, context: ForwardContext, device: torch.device,
+        inputs: tuple,
     ) -> ForwardContext:
-        """The context of a forward that moved the iteration's inputs onto ``device`` inside checkpointed regions.
+        """The context of a forward that moved the iteration's ``inputs`` onto ``device`` inside checkpointed regions.
+
+        A move that changed nothing (inputs already on the device) is not recorded: its replay would not either.
 
         Note: the replay of this move must also replay ``device``'s RNG state.
         Checkpoint restores RNG state only for the devices of its positional
@@ -384,6 +388,8 @@ class RecomputeReplay:
         for ``device``, and a recomputation would draw other random numbers
         there (other dropout masks) than the forward did.
         """
+        if not _compat.has_tensors_off(device, inputs):
+            return context
         if self.upstream_moves_inputs or stack[-1] is recompute:  # the latter: recorded in no region
             return context._replace(moved_to=device)
         for entry in reversed(stack):
