@@ -214,6 +214,20 @@ def process_group_store(pg: Any) -> Any:
     return store
 
 
+def process_group_timeout(pg: Any) -> Any:
+    """The timeout the process group's own collectives wait (``init_process_group(timeout=...)``), or None.
+
+    Note: read from each backend's options (``ProcessGroupGloo/NCCL.options._timeout``,
+    the longest where a group has several backends); the group's store may have a
+    shorter one of its own (``TCPStore(timeout=...)``).
+    """
+    try:
+        timeouts = [pg._get_backend(device).options._timeout for device in pg._device_types]
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+    return max(timeouts, default=None)
+
+
 def param_groups_of(state: Any) -> list[Any]:
     """``FSDPState``'s param groups: a list on >= 2.11, a single optional group before."""
     groups = state.__dict__.get("_fsdp_param_groups")
