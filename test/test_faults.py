@@ -493,9 +493,25 @@ class TestSettings(TestCase):
     def test_strategy_is_validated_whatever_fixes_are_named(self):
         before = active_fixes(), dtype_strategy()
         for fixes in (["recompute"], ["dtype"], None):
-            with self.assertRaisesRegex(ValueError, r"dtype_strategy must be one of \("):
+            with self.assertRaisesRegex(ValueError, "dtype_strategy must be one of upcast, preserve, error"):
                 torch_fsdp_ext.install(fixes, dtype_strategy="bogus")
         self.assertEqual((active_fixes(), dtype_strategy()), before)
+
+    def test_argument_and_environment_parse_alike(self):
+        for raw in (" Preserve ", "PRESERVE", "error"):
+            torch_fsdp_ext.install(dtype_strategy=raw)
+            self.assertEqual(dtype_strategy(), raw.strip().lower())
+            with mock.patch.dict(os.environ, {"TORCH_FSDP_EXT_DTYPE_STRATEGY": raw}):
+                self.assertEqual(_env.choice("TORCH_FSDP_EXT_DTYPE_STRATEGY", torch_fsdp_ext.STRATEGIES),
+                                 raw.strip().lower())
+        for raw in ("preserv", "down cast"):
+            with mock.patch.dict(os.environ, {"TORCH_FSDP_EXT_DTYPE_STRATEGY": raw}):
+                with self.assertRaisesRegex(ValueError, "TORCH_FSDP_EXT_DTYPE_STRATEGY must be one of upcast, "):
+                    _env.choice("TORCH_FSDP_EXT_DTYPE_STRATEGY", torch_fsdp_ext.STRATEGIES)
+        with self.assertRaises(ValueError) as raised:
+            torch_fsdp_ext.install("preserve")
+        self.assertExpectedInline(str(raised.exception), """\
+torch_fsdp_ext: unknown fix(es) ['preserve']; choose from ('dtype', 'recompute'); 'preserve' is a dtype strategy: install(dtype_strategy='preserve')""")
 
     def test_switch_parsing(self):
         cases = {"1": True, "TRUE": True, " 1": True, "on": True, "Yes ": True, "0": False, "off": False,
@@ -527,10 +543,14 @@ class TestSettingsAtImport(TestCase):
         self.assertEqual(out, "[] upcast")
         out, err = self.run_import({"TORCH_FSDP_EXT_DTYPE_STRATEGY": " Error "})
         self.assertEqual((out, "Warning" in err), (f"{needed} error", False))
-        out, err = self.run_import({"TORCH_FSDP_EXT_DTYPE_STRATEGY": "eror"})
-        self.assertEqual(out, f"{needed} upcast")  # ignored, everything installed with the default
-        allowed = ", ".join(torch_fsdp_ext.STRATEGIES)
-        self.assertIn(f"ignoring TORCH_FSDP_EXT_DTYPE_STRATEGY='eror': expected one of {allowed}", err)
+        # A strategy that cannot be honoured stops the import instead of training with the default.
+        result = run_python(self.REPORT, env={"TORCH_FSDP_EXT_DTYPE_STRATEGY": "preserv"})
+        self.assertNotEqual(result.returncode, 0)
+        self.assertEqual(
+            result.stderr.strip().splitlines()[-1],
+            "ValueError: torch_fsdp_ext: TORCH_FSDP_EXT_DTYPE_STRATEGY must be one of upcast, preserve, error "
+            "(any case), got 'preserv'",
+        )
         code = "import torch_fsdp_ext; torch_fsdp_ext.install(dtype_strategy='upcast'); " + self.REPORT
         out, _ = self.run_import({"TORCH_FSDP_EXT_DTYPE_STRATEGY": "error"}, code)
         self.assertEqual(out, f"{needed} upcast")  # an explicit argument wins

@@ -587,9 +587,9 @@ def spawn_ranks(fn, world: int, *args) -> Any:
     """Run ``fn(rank, world, init_file, *args, result_file)`` on ``world`` spawned ranks; rank 0's result.
 
     Note: on torch 2.12.1's CUDA build a spawned gloo rank was seen to abort now and then
-    ("terminate called without an active exception", about 1 in 25 runs, cause not found;
-    README, Limitations). A run whose rank died by a signal is reported and run once more,
-    so that the measurement does not hinge on it; any other failure is raised.
+    ("terminate called without an active exception"; docs/reliability.md, "Known issue").
+    A run whose rank died by a signal is reported and run once more, so that the measurement
+    does not hinge on it; any other failure is raised.
     """
     import torch.multiprocessing as mp
 

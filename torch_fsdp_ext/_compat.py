@@ -196,6 +196,32 @@ def fsdp_states() -> list[Any]:
 is_root_flag: Callable[[Any], bool | None] = operator.attrgetter("_is_root")
 
 
+def half_initialised_roots() -> list[tuple[list[Any], list[str]]]:
+    """The modules of root states whose first lazy init raised part-way, with the groups it left unfinished.
+
+    Note: ``FSDPState._lazy_init`` marks the state as root before it sets up the
+    param groups (``FSDPParamGroup.lazy_init``) and never runs again, so after an
+    error there (FSDP's uniform-dtype assertion) the groups stay without their
+    mixed-precision attributes and the next forward or backward fails with an
+    ``AttributeError``. A finished group has ``_reduce_dtype``, set last by
+    ``_init_mp_dtypes`` on every release.
+    """
+    roots = []
+    for state in fsdp_states():
+        if is_root_flag(state) is not True:
+            continue
+        all_states = getattr(getattr(state, "_state_ctx", None), "all_states", [])
+        unfinished = [
+            group_name(group)
+            for member in all_states
+            for group in param_groups_of(member)
+            if "_reduce_dtype" not in group.__dict__
+        ]
+        if unfinished:
+            roots.append((list(state._modules), unfinished))
+    return roots
+
+
 def process_group_store(pg: Any) -> Any:
     """A c10d ``Store`` whose keys are this process group's own, or None.
 

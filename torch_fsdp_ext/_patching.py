@@ -43,6 +43,7 @@ class PatchSet:
     def __init__(self) -> None:
         self._attributes: list[_AttributePatch] = []
         self._hooks: list[_HookPatch] = []
+        self._handles: list[Any] = []
 
     def wrap(self, owner: Any, name: str, make_wrapper: Callable[[Any], Any], *, as_decorated: bool = False) -> None:
         """Replace ``owner.name`` with ``make_wrapper(current)``; ``current`` may be inherited.
@@ -67,11 +68,18 @@ class PatchSet:
         self._hooks.append(_HookPatch(hooks, hook_id, hooks[hook_id], replacement))
         hooks[hook_id] = replacement
 
+    def add_handle(self, handle: Any) -> None:
+        """A hook registered through torch's public API (``RemovableHandle``), removed by ``restore()``."""
+        self._handles.append(handle)
+
     @property
     def rebound_hooks(self) -> int:
         return len(self._hooks)
 
     def restore(self) -> None:
+        for handle in reversed(self._handles):
+            handle.remove()
+        self._handles.clear()
         for hook in reversed(self._hooks):
             # Only put the original back if nobody removed or replaced our hook since.
             if hook.hooks.get(hook.hook_id) is hook.replacement:
