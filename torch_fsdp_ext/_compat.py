@@ -548,6 +548,49 @@ def move_inputs(args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple,
     return args_tuple[0], kwargs_tuple[0]
 
 
+# Note: the device RNG seam. The recompute replay reads and sets an accelerator's RNG
+# state only through ``device_rng_state`` / ``set_device_rng_state``, which ask
+# ``device_rng_module`` for the device's module (``torch.cuda`` for a CUDA device).
+# Tests without an accelerator point ``device_rng_module`` at a stand-in module with
+# its own generator (test/test_recompute_rng.py).
+def device_rng_module(device: torch.device) -> Any:
+    """The module whose ``get_rng_state(device)`` / ``set_rng_state(state, device)`` serve ``device``."""
+    return torch.get_device_module(device)
+
+
+def device_rng_state(device: torch.device) -> torch.Tensor | None:
+    """``device``'s RNG state; None where its module has no RNG functions (a backend without them)."""
+    get_rng_state = getattr(device_rng_module(device), "get_rng_state", None)
+    return get_rng_state(device) if get_rng_state is not None else None
+
+
+def set_device_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    device_rng_module(device).set_rng_state(state, device)
+
+
+def checkpoint_preserves_rng_state(recompute_fn: Callable) -> bool:
+    """The ``preserve_rng_state`` of the non-reentrant checkpoint whose frame holds ``recompute_fn``.
+
+    Note: checkpoint keeps the flag only in the closure of the recompute function
+    it gives its ``_CheckpointFrame`` (2.5 to 2.15). Where the closure has no such
+    name this answers True: restoring the forward's RNG state keeps the
+    recomputation equal to the forward, the conservative choice.
+    """
+    code = getattr(recompute_fn, "__code__", None)
+    try:
+        cell = recompute_fn.__closure__[code.co_freevars.index("preserve_rng_state")]
+        return bool(cell.cell_contents)
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return True
+
+
+def has_tensors_off(device: torch.device, value: Any) -> bool:
+    """Would the root's input move change ``value`` (a tensor in it is not on ``device``)?"""
+    off = []
+    load_internals().apply_to_tensors(lambda tensor: off.append(tensor.device != device) or tensor, value)
+    return any(off)
+
+
 def cast_floating_tensors(dtype: torch.dtype, value: Any) -> Any:
     """FSDP2's own mixed-precision cast (floating tensors only, nested containers)."""
     internals = load_internals()
