@@ -1,4 +1,24 @@
+import os
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+# Runs torch_fsdp_ext_startup at interpreter start-up when TORCH_FSDP_EXT_AUTOLOAD is set.
+STARTUP_PTH = "torch_fsdp_ext.pth"
+
+
+class BuildPyWithStartupPth(build_py):
+    """Put ``torch_fsdp_ext.pth`` at the top of site-packages, for regular and editable installs.
+
+    Note: a regular wheel takes what build_py leaves in ``build_lib``; an editable (PEP 660)
+    wheel takes only its packages' finder from there and packs the ``install_lib`` folder.
+    """
+
+    def run(self) -> None:
+        super().run()
+        target = self.get_finalized_command("install").install_lib if self.editable_mode else self.build_lib
+        self.copy_file(STARTUP_PTH, os.path.join(target, STARTUP_PTH), preserve_mode=False)
+
 
 setup(
     name="torch_fsdp_ext",
@@ -10,6 +30,8 @@ setup(
     license="BSD-3-Clause",
     license_files=["LICENSE"],
     packages=find_packages(include=["torch_fsdp_ext", "torch_fsdp_ext.*"]),
+    py_modules=["torch_fsdp_ext_startup"],
+    cmdclass={"build_py": BuildPyWithStartupPth},
     python_requires=">=3.9",
     # Never force a torch upgrade: any release from 2.5 on is accepted as installed.
     install_requires=["torch>=2.5"],

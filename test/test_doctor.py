@@ -83,7 +83,7 @@ recompute  partly  yes     no failure → runs                     replays root 
                         # Sabotage the dtype fix in every process the doctor starts.
                         from torch_fsdp_ext import _dtype_fix as d
                         d.DtypeFix.before_sharding = lambda self, *args: None
-                        d.DtypeFix.prepare_sharded_group = lambda self, group: False
+                        d._prepare = lambda group, strategy: False
                         """
                     )
                 )

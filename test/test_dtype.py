@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.testing._internal.common_utils import run_tests
 
 import torch_fsdp_ext
-from torch_fsdp_ext import MixedParamDtypeError, _compat
+from torch_fsdp_ext import MixedParamDtypeError, _compat, _dtype_fix
 from torch_fsdp_ext._dtype_plan import cast_exclusion_reason
 from torch_fsdp_ext._dtype_strategies import UPCAST_COST
 
@@ -340,7 +340,6 @@ Fix: install the plugin with dtype_strategy='upcast' to keep fp32 master weights
     def test_releases_whose_check_counts_frozen_params(self):
         """Simulates torch 2.5's check (frozen params counted) to test the trainable-only path."""
         with plugin(True):
-            fix = torch_fsdp_ext._install._active["dtype"][0]
             group_cls = _compat.load_internals().FSDPParamGroup
             unwrapped = group_cls._init_mp_dtypes.__wrapped__
 
@@ -349,13 +348,12 @@ Fix: install the plugin with dtype_strategy='upcast' to keep fp32 master weights
                 assert len(dtypes) == 1, f"FSDP expects uniform original parameter dtype but got {dtypes}"
                 return unwrapped(group)
 
-            fix.counts_frozen = True
             model = nn.Sequential(LoRALinear(8))
             fully_shard(model, mp_policy=MP)
             (group,) = _compat.param_groups_of(model._get_fsdp_state())
             with self.assertRaises(AssertionError):
                 counts_frozen_too(group)  # what 2.5 would do with a frozen bf16 base
-            fix._init_mp_dtypes_trainable_only(counts_frozen_too, group)
+            _dtype_fix._init_mp_dtypes_trainable_only(counts_frozen_too, group)
             trainable = {p.orig_dtype for p in group.fsdp_params if p.sharded_param.requires_grad}
             self.assertEqual(trainable, {torch.float32})
             self.assertEqual({p.orig_dtype for p in group.fsdp_params}, {torch.float32, torch.bfloat16})

@@ -17,7 +17,7 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 from common import ROOT
 
 # What a wheel is built from: the package and the files setup.py reads.
-SOURCES = ("setup.py", "README.md", "LICENSE", "torch_fsdp_ext")
+SOURCES = ("setup.py", "README.md", "LICENSE", "torch_fsdp_ext", "torch_fsdp_ext.pth", "torch_fsdp_ext_startup.py")
 
 
 def _can_build_wheels() -> bool:
@@ -53,6 +53,7 @@ class TestWheel(TestCase):
             with zipfile.ZipFile(wheel) as archive:
                 names = archive.namelist()
                 metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+            self.assertIn("torch_fsdp_ext.pth", names)  # the start-up hook, at the top of site-packages
             self.assertTrue(any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE")
                                 for n in names), names)
             for field in ("License: BSD-3-Clause", "Requires-Python: >=3.9", "Requires-Dist: torch>=2.5",

@@ -293,6 +293,17 @@ def fsdp_param_fqn(fsdp_param: Any) -> str | None:
     return getattr(fsdp_param, "_param_fqn", None)
 
 
+def fsdp_param_name(fsdp_param: Any, index: int) -> str:
+    """The parameter's FQN (known from the first lazy init), else its module class and attribute name."""
+    fqn = fsdp_param_fqn(fsdp_param)
+    if fqn:
+        return fqn
+    info = getattr(fsdp_param, "_module_info", None)
+    if info is None:
+        return f"<param {index}>"
+    return f"{type(info.module).__name__}:{info.param_name}"
+
+
 def fsdp_param_is_trainable(fsdp_param: Any) -> bool:
     return bool(fsdp_param.sharded_param.requires_grad)
 
@@ -403,12 +414,19 @@ def init_mp_dtypes_of_mixed_group(init_mp_dtypes: Callable, group: Any) -> None:
             param.requires_grad_(True)
     if probe_reduce_casts_grads_per_param():
         return
+    # Note: FSDP stores ``reduce_dtype=None`` when it equals ``param_dtype`` (one dtype needs no
+    # cast), which for a mixed group would mean "the promoted dtype": read the user's policy.
     trainable_params = [p for p in group.fsdp_params if p.sharded_param.requires_grad]
-    reduce_dtypes = {p.reduce_dtype for p in trainable_params}
+    reduce_dtypes = {param_mp_policy(group, p).reduce_dtype for p in trainable_params}
     if len(reduce_dtypes) > 1:
         raise AssertionError(f"FSDP expects uniform reduce dtype but got {reduce_dtypes}")
     reduce_dtype = next(iter(reduce_dtypes), None)
     for fsdp_param in group.fsdp_params:
+        if reduce_dtype is None and fsdp_param.param_dtype is not None:
+            # Note: without reduce_dtype, micro-batches without sync accumulate in the compute dtype
+            # (autograd adds into the unsharded bf16 grad); as 2.15 does, a parameter computed in
+            # another dtype than its own accumulates in its own (FSDP's reduce-dtype accumulation path).
+            fsdp_param.reduce_dtype = fsdp_param.orig_dtype
         fsdp_param.__dict__[_MIXED_GROUP_ATTR] = (fsdp_param.orig_dtype, reduce_dtype, None)
 
 

@@ -10,7 +10,9 @@ Two hooks hand a mixed group to the chosen strategy (``_dtype_strategies.py``):
 
 - before ``FSDPParamGroup.__init__`` shards anything (the cheapest moment to cast);
 - right before ``_init_mp_dtypes`` (lazy init, first forward), which also catches
-  dtype changes made after ``fully_shard`` and groups built before ``install()``.
+  dtype changes made after ``fully_shard``.
+
+Groups built before ``install()`` are handed to the strategy by ``install()`` itself.
 
 The ``__init__`` hook also resolves ``MixedPrecisionPolicy.param_dtype_override_fn`` on
 the parameters as loaded, before any cast, and the lazy-init hook applies it
@@ -20,21 +22,52 @@ A group that stays mixed (``preserve``) passes FSDP's check through
 ``_compat.init_mp_dtypes_of_mixed_group``; on releases whose reduce-scatter casts
 the whole output to one dtype, ``_compat`` also wraps that path so that each
 parameter receives its gradient in its own dtype.
+
+Note: a group's strategy is decided once: at the first ``install()`` that finds
+the group already built (which also upcasts it right there, before an optimizer
+or a checkpoint load can see the old dtype), else at its first lazy init. It is
+kept on the group (``GroupDecision``), so a later ``install(dtype_strategy=...)``
+does not re-apply another strategy when FSDP re-runs ``_init_mp_dtypes`` from an
+explicit ``unshard()``; that re-run only handles what changed since (a dtype the
+user changed), with the group's own strategy.
+
+Note: after ``uninstall()`` a live ``preserve`` group still needs the wrappers of
+``_init_mp_dtypes`` (``unshard()`` re-runs it) and, up to 2.14, of the reduce
+path. They are kept (``GroupKeeper``) and act only on those groups, until the
+last of them is garbage-collected; then, or at ``uninstall()`` when there is
+none, they are restored by identity.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from . import _compat, _compute_dtype
+from . import _compat, _compute_dtype, _optimizer_state
 from ._dtype_plan import MixedParamDtypeError, ParamEntry, format_dtype, param_names, plan_group_dtypes
 from ._dtype_strategies import UPCAST_COST, make_strategy
 from ._patching import PatchSet, wraps
 from ._rank_consistency import RankConsistency
+
+_DECISION_ATTR = "_torch_fsdp_ext_dtype_decision"
+
+
+@dataclass
+class GroupDecision:
+    """What the dtype fix decided for one param group, kept on the group."""
+
+    strategy: Any  # the strategy in force when the group was decided
+    layout: tuple | None  # (dtype, requires_grad) per parameter when last prepared; None: not prepared yet
+    stays_mixed: bool = False
+
+
+def _layout(group: Any) -> tuple:
+    return tuple((p.sharded_param.dtype, p.sharded_param.requires_grad) for p in group.fsdp_params)
 
 
 class DtypeFix:
@@ -47,7 +80,6 @@ class DtypeFix:
         self.internals = internals
         self.strategy = make_strategy(strategy)
         self.active = False
-        self.counts_frozen = False
         self.ranks = RankConsistency(internals, MixedParamDtypeError)
         self._patches: PatchSet | None = None
         self._refused: weakref.WeakSet = weakref.WeakSet()  # root modules whose forward now raises
@@ -70,16 +102,35 @@ class DtypeFix:
         return _compat.symbol_names(self.internals, (*owners, "FSDPState._lazy_init"))
 
     def install(self, patches: PatchSet) -> None:
-        self.counts_frozen = bool(_compat.probe_dtype_check_counts_frozen())
-        group_cls = self.internals.FSDPParamGroup
-        patches.wrap(group_cls, "__init__", self._wrap_init)
-        patches.wrap(group_cls, "_init_mp_dtypes", self._wrap_init_mp_dtypes)
-        if not _compat.probe_reduce_casts_grads_per_param():
-            _compat.wrap_reduce_for_mixed_groups(patches)
+        patches.wrap(self.internals.FSDPParamGroup, "__init__", self._wrap_init)
         self.ranks.install(patches)
+        _keeper.attach(self)
         self.refuse_half_initialised_models(patches)
         self._patches = patches
         self.active = True
+
+    def release(self) -> None:
+        """At uninstall(), after ``active`` went False: what live groups do not need goes."""
+        _keeper.detach(self)
+        _optimizer_state.release()
+
+    def decide_existing_groups(self) -> None:
+        """At install(): groups built before it that no strategy has decided yet are decided now.
+
+        An upcast happens right here, so that an optimizer built and a checkpoint loaded
+        after ``install()`` see the fp32 master weights.
+        """
+        for state in _compat.fsdp_states():
+            for group in _compat.param_groups_of(state):
+                if _DECISION_ATTR in group.__dict__:
+                    continue
+                # Note: only before the state's first lazy init; one that failed part-way is refused instead.
+                if self.strategy.name == "upcast" and _compat.is_root_flag(state) is None:
+                    try:
+                        _prepare(group, self.strategy)
+                    except MixedParamDtypeError:
+                        pass  # raised again, with FQNs, at the group's lazy init
+                group.__dict__[_DECISION_ATTR] = GroupDecision(self.strategy, None)
 
     def refuse_half_initialised_models(self, patches: PatchSet) -> None:
         """A model whose first forward failed in FSDP's lazy init (before this fix, or under
@@ -143,58 +194,127 @@ class DtypeFix:
         widest = format_dtype(fsdp_params[casts[0][0]].sharded_param.dtype)
         UPCAST_COST.add(group_name, len(casts), added, widest)
 
-    # -- hook 2: right before the uniform-dtype check -----------------------------
+
+# -- hook 2: right before the uniform-dtype check ---------------------------------
+
+
+def _prepare(group: Any, strategy: Any) -> bool:
+    """Hand a mixed sharded group to ``strategy``; True if it goes on with mixed dtypes."""
+    params = [ParamEntry(_compat.fsdp_param_name(p, i), p.sharded_param, p) for i, p in enumerate(group.fsdp_params)]
+    plan = plan_group_dtypes(params)
+    if not plan.is_mixed:
+        return False
+    if _compat.probe_dtype_check_counts_frozen() and strategy.name == "preserve":
+        raise MixedParamDtypeError(
+            "torch_fsdp_ext: dtype_strategy='preserve' is not supported on this torch: its _init_mp_dtypes "
+            "also counts frozen parameters. Use dtype_strategy='upcast'."
+        )
+    dtypes_before = {id(p.handle): p.tensor.dtype for p in plan.trainable}
+    stays_mixed = strategy.at_lazy_init(group, plan, repr(_compat.group_name(group)))
+    for p in plan.trainable:
+        if p.handle.sharded_param.dtype != dtypes_before[id(p.handle)]:
+            _optimizer_state.remember_upcast(p.handle, dtypes_before[id(p.handle)])
+    return stays_mixed
+
+
+def _init_mp_dtypes_trainable_only(original: Callable, group: Any) -> None:
+    """For releases whose check also counts frozen params: check trainable ones only."""
+    everything = group.fsdp_params
+    group.fsdp_params = [p for p in everything if _compat.fsdp_param_is_trainable(p)]
+    try:
+        original(group)
+    finally:
+        group.fsdp_params = everything
+    for p in everything:
+        p.init_dtype_attrs(_compat.param_mp_policy(group, p))
+
+
+class GroupKeeper:
+    """The wrappers of ``_init_mp_dtypes`` and of the reduce path, shared by the installed fix
+    and by the ``preserve`` groups that are still alive after ``uninstall()``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.fix: DtypeFix | None = None  # the installed fix; None after uninstall()
+        self.patches: PatchSet | None = None
+        self.kept_groups = 0  # live groups that stayed mixed
+
+    def attach(self, fix: DtypeFix) -> None:
+        with self.lock:
+            if self.patches is None:
+                patches = PatchSet()
+                try:
+                    patches.wrap(fix.internals.FSDPParamGroup, "_init_mp_dtypes", self._wrap_init_mp_dtypes)
+                    if not _compat.probe_reduce_casts_grads_per_param():
+                        _compat.wrap_reduce_for_mixed_groups(patches)
+                except Exception:
+                    patches.restore()
+                    raise
+                self.patches = patches
+            self.fix = fix
+
+    def detach(self, fix: DtypeFix) -> None:
+        with self.lock:
+            if self.fix is fix:
+                self.fix = None
+            self._restore_if_unused()
+
+    def keep(self, group: Any) -> None:
+        """``group`` stays mixed: keep the wrappers until it is garbage-collected."""
+        with self.lock:
+            if group.__dict__.get("_torch_fsdp_ext_kept"):
+                return
+            group.__dict__["_torch_fsdp_ext_kept"] = True
+            self.kept_groups += 1
+        weakref.finalize(group, self._group_collected)
+
+    def _group_collected(self) -> None:
+        with self.lock:
+            self.kept_groups -= 1
+            self._restore_if_unused()
+
+    def _restore_if_unused(self) -> None:
+        if self.fix is None and self.kept_groups == 0 and self.patches is not None:
+            self.patches.restore()
+            self.patches = None
 
     def _wrap_init_mp_dtypes(self, original: Callable) -> Callable:
-        fix = self
+        keeper = self
 
         @wraps(original)
         def _init_mp_dtypes(group: Any) -> None:
-            if not fix.active:
-                return original(group)
-            _compute_dtype.check_defaults_matched()
-            stays_mixed = fix.prepare_sharded_group(group)
-            fix.ranks.note_layout(group)
-            if stays_mixed:
+            fix = keeper.fix
+            decision = group.__dict__.get(_DECISION_ATTR)
+            if fix is None and (decision is None or not decision.stays_mixed):
+                return original(group)  # uninstalled: torch's own behaviour for every other group
+            if fix is not None:
+                _compute_dtype.check_defaults_matched()
+            if decision is None:
+                decision = group.__dict__[_DECISION_ATTR] = GroupDecision(fix.strategy, None)
+            layout = _layout(group)
+            if layout != decision.layout:  # first lazy init, or the user changed a dtype since
+                decision.stays_mixed = _prepare(group, decision.strategy)
+                decision.layout = _layout(group)
+            if fix is not None:
+                fix.ranks.note_layout(group)
+            if decision.stays_mixed:
+                keeper.keep(group)
                 _compat.init_mp_dtypes_of_mixed_group(original, group)
             else:
                 _compat.forget_mixed_group(group)
-                if fix.counts_frozen:
-                    fix._init_mp_dtypes_trainable_only(original, group)
+                if _compat.probe_dtype_check_counts_frozen():
+                    _init_mp_dtypes_trainable_only(original, group)
                 else:
                     original(group)
             _compute_dtype.at_lazy_init(group)
 
         return _init_mp_dtypes
 
-    def prepare_sharded_group(self, group: Any) -> bool:
-        """Hand a mixed group to the strategy; True if it goes on with mixed dtypes."""
-        params = [
-            ParamEntry(_compat.fsdp_param_fqn(p) or f"<param {i}>", p.sharded_param, p)
-            for i, p in enumerate(group.fsdp_params)
-        ]
-        plan = plan_group_dtypes(params)
-        if not plan.is_mixed:
-            return False
-        if self.counts_frozen and self.strategy.name == "preserve":
-            raise MixedParamDtypeError(
-                "torch_fsdp_ext: dtype_strategy='preserve' is not supported on this torch: its _init_mp_dtypes "
-                "also counts frozen parameters. Use dtype_strategy='upcast'."
-            )
-        return self.strategy.at_lazy_init(group, plan, repr(_compat.group_name(group)))
-
-    @staticmethod
-    def _init_mp_dtypes_trainable_only(original: Callable, group: Any) -> None:
-        """For releases whose check also counts frozen params: check trainable ones only."""
-        everything = group.fsdp_params
-        group.fsdp_params = [p for p in everything if _compat.fsdp_param_is_trainable(p)]
-        try:
-            original(group)
-        finally:
-            group.fsdp_params = everything
-        for p in everything:
-            p.init_dtype_attrs(_compat.param_mp_policy(group, p))
-
 
 def _refuse_forward(message: str, module: torch.nn.Module, args: tuple) -> None:
     raise RuntimeError(message)
+
+
+# Note: kept across ``importlib.reload`` (as ``_install`` keeps what is installed), so that
+# the wrappers in place are found and restored, not wrapped a second time.
+_keeper: GroupKeeper = globals().get("_keeper") or GroupKeeper()

@@ -139,6 +139,8 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = 
                 warnings.warn(f"torch_fsdp_ext: could not install fix {name!r}: {e!r}", RuntimeWarning, stacklevel=2)
                 continue
             _active[name] = (fix, patches)
+        if "dtype" in _active:
+            _active["dtype"][0].decide_existing_groups()
         return [n for n in FIX_NAMES if n in _active]
 
 
@@ -152,6 +154,8 @@ def uninstall(fixes: Iterable[str] | None = None) -> None:
                 fix, patches = entry
                 fix.active = False  # hooks bound while installed now pass straight through
                 patches.restore()
+                if name == "dtype":
+                    fix.release()  # what live preserve groups need stays until they are gone
 
 
 @contextlib.contextmanager

@@ -11,6 +11,11 @@ as __main__ with sys.argv set to the script and its arguments, as "python train.
 ARGS" would. Options of this launcher come before the script; everything after the
 script belongs to it. TORCH_FSDP_EXT_DISABLE=1 still turns the import's install off;
 --dtype-strategy installs explicitly.
+
+Processes the script starts itself (torch.multiprocessing.spawn) get the plugin too,
+with the same settings: the launcher sets TORCH_FSDP_EXT_AUTOLOAD=1 (and the variables
+of its options) for them, which the package's start-up hook (torch_fsdp_ext.pth)
+reads in every new interpreter.
 """
 
 from __future__ import annotations
@@ -51,8 +56,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if options.dtype_strategy is not None:
         torch_fsdp_ext.install(dtype_strategy=options.dtype_strategy)
+        os.environ["TORCH_FSDP_EXT_DTYPE_STRATEGY"] = options.dtype_strategy
     if options.compute_in_loaded_dtype is not None:
         torch_fsdp_ext._compute_dtype.set_default_selectors(options.compute_in_loaded_dtype)
+        os.environ[torch_fsdp_ext._compute_dtype.ENV_VAR] = options.compute_in_loaded_dtype
+    os.environ["TORCH_FSDP_EXT_AUTOLOAD"] = "1"  # for interpreters the script starts (torch_fsdp_ext_startup)
     sys.argv = [options.target, *options.args]
     if options.as_module:
         runpy.run_module(options.target, run_name="__main__", alter_sys=True)

@@ -1,6 +1,7 @@
 """A training script that knows nothing of torch_fsdp_ext: the seed-000 model under FSDP2.
 
     torchrun --nproc-per-node 2 test/scripts/train_seed000.py [--steps N] [--workaround]
+    python test/scripts/train_seed000.py --spawn 2 [...]    # starts its own ranks (mp.spawn)
 
 bf16 Linears with fp32 LayerNorms in each FSDP group: without the plugin, FSDP2's first
 forward fails with "FSDP expects uniform original parameter dtype". ``--workaround``
@@ -10,6 +11,8 @@ the parameter dtypes after training, and whether torch_fsdp_ext was imported by 
 
 import argparse
 import json
+import os
+import socket
 import sys
 
 import torch
@@ -28,12 +31,7 @@ class Block(nn.Module):
         return self.norm(x + torch.relu(self.lin(x)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--workaround", action="store_true")
-    args = parser.parse_args()
-
+def train(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -58,9 +56,30 @@ def main() -> None:
     if rank == 0:
         dtypes = sorted({str(p.dtype) for p in model.parameters()})
         print(json.dumps({"losses": losses, "dtypes": dtypes, "plugin_imported": "torch_fsdp_ext" in sys.modules,
-                          "argv": sys.argv[1:]}))
+                          "argv": sys.argv[1:]}), flush=True)
     dist.barrier()  # every rank done with gloo before any rank tears it down
     dist.destroy_process_group()
+
+
+def spawned_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    train(args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--workaround", action="store_true")
+    parser.add_argument("--spawn", type=int, default=0, help="start this many ranks with torch.multiprocessing.spawn")
+    args = parser.parse_args()
+    if not args.spawn:
+        train(args)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.multiprocessing.spawn(spawned_rank, args=(args.spawn, args), nprocs=args.spawn)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,98 @@
+"""Optimizer state made before a parameter was upcast after sharding.
+
+Note: an upcast after ``fully_shard`` (a group built before ``install()``, or a
+dtype changed after sharding) keeps the ``nn.Parameter`` object, so an
+optimizer that holds it keeps stepping it. State the optimizer created before
+the cast (a step-0 ``get_state_dict``, a resumed checkpoint) keeps the old
+dtype, and the first step fails inside the optimizer (AdamW: ``expected dtype
+torch.bfloat16 for 'end'`` in ``aten.lerp_``); a checkpoint loaded before the
+cast was also rounded to the old dtype. FSDP cannot see optimizers and torch
+keeps no registry of them; the one place every optimizer passes before it
+touches its state is torch.optim's global step pre-hook. So the parameters
+upcast after sharding are remembered (weakly) and checked there, at the next
+step of every optimizer that holds them, which raises naming them and the fix
+before the optimizer runs; with nothing left to check it returns at once, and
+``uninstall()`` removes it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import _compat
+from ._dtype_plan import MixedParamDtypeError, format_dtype
+
+_lock = threading.Lock()
+# nn.Parameter -> (a weak reference to its FSDPParam, the dtype it had before the upcast)
+_upcast: WeakIdKeyDictionary = WeakIdKeyDictionary()  # by identity: tensors compare elementwise
+_hook_handle: Any = None
+
+
+def remember_upcast(fsdp_param: Any, dtype_before: torch.dtype) -> None:
+    """Check the parameter's optimizer state at the next step of each optimizer that holds it."""
+    global _hook_handle
+    with _lock:
+        _upcast[fsdp_param.sharded_param] = (weakref.ref(fsdp_param), dtype_before)
+        if _hook_handle is None:
+            _hook_handle = register_optimizer_step_pre_hook(_check_before_step)
+
+
+def _stale_state(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, dtype_before: torch.dtype) -> list[str]:
+    """Names of ``param``'s state tensors shaped like it and still in its dtype from before the upcast."""
+    state = optimizer.state.get(param) or {}
+    return [
+        key
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor) and value.dtype == dtype_before and value.shape == param.shape
+    ]
+
+
+def release() -> None:
+    """At uninstall(): remove the hook unless a parameter is still to be checked."""
+    global _hook_handle
+    with _lock:
+        if not _upcast and _hook_handle is not None:
+            _hook_handle.remove()
+            _hook_handle = None
+
+
+def _check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _upcast:
+        return  # Note: not removed here: torch is iterating over the hooks
+    with _lock:
+        stale, checked = [], []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                entry = _upcast.get(param)
+                if entry is None:
+                    continue
+                checked.append(param)
+                keys = _stale_state(optimizer, param, entry[1])
+                if keys:
+                    fsdp_param = entry[0]()  # its FQN is known once the group's lazy init ran
+                    name = _compat.fsdp_param_name(fsdp_param, 0) if fsdp_param is not None else "<param>"
+                    stale.append((name, entry[1], param.dtype, keys))
+        if not stale:
+            for param in checked:
+                _upcast.pop(param, None)  # its state is created in its new dtype from now on
+            return
+    lines = [
+        "torch_fsdp_ext: this optimizer holds state made before the plugin upcast these parameters after "
+        "fully_shard (for fp32 master weights); a checkpoint loaded into them before the upcast was rounded "
+        "to their old dtype:"
+    ]
+    for name, before, after, keys in stale:
+        lines.append(f"  {name}: {format_dtype(before)} -> {format_dtype(after)}, state {', '.join(keys)} still "
+                     f"{format_dtype(before)}")
+    lines.append(
+        "Fix: install the plugin (import torch_fsdp_ext) before building the optimizer and before loading a "
+        "checkpoint (install() upcasts the groups that exist then), and change parameter dtypes before fully_shard; "
+        "then build the optimizer and load the checkpoint again."
+    )
+    raise MixedParamDtypeError("\n".join(lines))
