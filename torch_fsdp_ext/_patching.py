@@ -43,6 +43,7 @@ class PatchSet:
     def __init__(self) -> None:
         self._attributes: list[_AttributePatch] = []
         self._hooks: list[_HookPatch] = []
+        self._undo_first: list[Callable[[], None]] = []
 
     def wrap(self, owner: Any, name: str, make_wrapper: Callable[[Any], Any], *, as_decorated: bool = False) -> None:
         """Replace ``owner.name`` with ``make_wrapper(current)``; ``current`` may be inherited.
@@ -67,11 +68,18 @@ class PatchSet:
         self._hooks.append(_HookPatch(hooks, hook_id, hooks[hook_id], replacement))
         hooks[hook_id] = replacement
 
+    def on_restore(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` first on ``restore()``: for what a fix changes after install (e.g. per instance)."""
+        self._undo_first.append(undo)
+
     @property
     def rebound_hooks(self) -> int:
         return len(self._hooks)
 
     def restore(self) -> None:
+        for undo in reversed(self._undo_first):
+            undo()
+        self._undo_first.clear()
         for hook in reversed(self._hooks):
             # Only put the original back if nobody removed or replaced our hook since.
             if hook.hooks.get(hook.hook_id) is hook.replacement:

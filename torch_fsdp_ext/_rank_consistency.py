@@ -15,6 +15,13 @@ rank until they join. What ``_init_mp_dtypes`` sees is only noted; a group whose
 layout differs from the one last compared (a ``.to(bf16)`` after the first
 forward, seen by an explicit ``unshard()``) is compared at the next root forward.
 
+Note: cost. FSDP calls ``_lazy_init`` from every module's first pre-forward of
+each pass. Once a state is initialized and nothing is left to compare, the
+wrapper has nothing to do for it, so it sets torch's own method on that state
+(an instance attribute, found before the class's): from then on FSDP calls torch
+directly. A layout queued for comparison takes those instance attributes away
+again, so the next root forward goes through the wrapper; so does uninstall.
+
 Note: how the ranks compare. Through the process group's c10d store (each rank
 sets one key, then waits for the others' keys), not with a collective. A rank
 that runs without the plugin (``TORCH_FSDP_EXT_DISABLE=1`` on one rank) never
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import json
 import threading
+import types
 import weakref
 from typing import Any, Callable
 
@@ -81,9 +89,23 @@ class RankConsistency:
         self.mismatch_error = mismatch_error
         self._compared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> layout
         self._thread = _ThreadState()
+        # FSDP states that call torch's _lazy_init directly: state -> the bound method set on it.
+        self._settled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def install(self, patches: PatchSet) -> None:
         patches.wrap(self.internals.FSDPState, "_lazy_init", self._wrap_lazy_init)
+        patches.on_restore(self.unsettle)
+
+    def settle(self, state: Any, original: Callable) -> None:
+        """Let ``state`` call torch's ``_lazy_init`` directly: it has nothing left to compare."""
+        self._settled[state] = state.__dict__["_lazy_init"] = types.MethodType(original, state)
+
+    def unsettle(self) -> None:
+        """Send every state's ``_lazy_init`` through the wrapper again."""
+        for state, bound in list(self._settled.items()):
+            if state.__dict__.get("_lazy_init") is bound:
+                del state.__dict__["_lazy_init"]
+        self._settled.clear()
 
     def note_layout(self, group: Any) -> None:
         """Called from ``_init_mp_dtypes``: queue the group if its layout was not compared yet."""
@@ -93,6 +115,8 @@ class RankConsistency:
         layout = layout_of(group)
         if self._compared.get(group) != layout:
             thread.pending[group] = layout
+            if self._settled:
+                self.unsettle()  # the next root forward compares it
         else:
             thread.pending.pop(group, None)
 
@@ -103,10 +127,13 @@ class RankConsistency:
 
         @wraps(original)
         def _lazy_init(state: Any) -> None:
-            # Every FSDP pre-forward calls this; after the first forward it is a no-op in torch.
+            # FSDP's first pre-forward of each state in each pass calls this; after the first forward it is a
+            # no-op in torch.
             if is_root_flag(state) is not None:
                 if thread.pending:
                     ranks.compare_pending()
+                else:
+                    ranks.settle(state, original)
                 return original(state)
             thread.in_root_lazy_init = True
             try:
