@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
+import unittest
 
 from torch.testing._internal.common_utils import TestCase, run_tests
 
@@ -43,6 +46,22 @@ class TestTools(TestCase):
         self.assertIn("same upcast decisions at every world size: True", result.stdout)
         if HAS_DTYPE_BUG:
             self.assertRegex(result.stdout, r"bytes added (\d+) = expected \1 ")
+
+    @unittest.skipIf(
+        shutil.which("valgrind") is None or shutil.which("callgrind_control") is None,
+        "valgrind (callgrind) is not installed: tools/bench_instructions.py counts with it",
+    )
+    def test_instruction_counts_quick(self):
+        # One callgrind process (it re-imports torch under valgrind: most of this test's time), 2 steps each of
+        # unpatched and patched, twice over, no checkpointing.
+        result = run_tool("tools/bench_instructions.py", "--quick", timeout=1200)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        row = next(line for line in result.stdout.splitlines() if line.strip().startswith("no checkpoint"))
+        cells = re.split(r"\s{2,}", row.strip())
+        unpatched, per_forward, control = (float(cells[i].split()[0].replace(",", "")) for i in (1, 3, 4))
+        self.assertGreater(unpatched, 1e6)  # it counted the steps
+        self.assertLess(control, unpatched * 1e-4)  # the same configuration counts the same
+        self.assertLessEqual(per_forward, 3_500)  # the bound of the full run, which 2.13.0 is held to
 
 
 if __name__ == "__main__":
