@@ -89,23 +89,37 @@ class RankConsistency:
         self.mismatch_error = mismatch_error
         self._compared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> layout
         self._thread = _ThreadState()
-        # FSDP states that call torch's _lazy_init directly: state -> the bound method set on it.
-        self._settled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # FSDP states that call torch's _lazy_init directly (weakly: the method set on each refers to it).
+        self._settled: weakref.WeakSet = weakref.WeakSet()
+        self._torch_lazy_init: Callable | None = None
+        self._settled_lock = threading.Lock()  # install/uninstall may run on another thread than training
+        self._installed = False
 
     def install(self, patches: PatchSet) -> None:
         patches.wrap(self.internals.FSDPState, "_lazy_init", self._wrap_lazy_init)
-        patches.on_restore(self.unsettle)
+        patches.on_restore(self._uninstalled)
+        self._installed = True
 
     def settle(self, state: Any, original: Callable) -> None:
         """Let ``state`` call torch's ``_lazy_init`` directly: it has nothing left to compare."""
-        self._settled[state] = state.__dict__["_lazy_init"] = types.MethodType(original, state)
+        with self._settled_lock:
+            if self._installed:  # not a wrapper call that began before uninstall()
+                self._torch_lazy_init = original
+                state.__dict__["_lazy_init"] = types.MethodType(original, state)
+                self._settled.add(state)
 
     def unsettle(self) -> None:
         """Send every state's ``_lazy_init`` through the wrapper again."""
-        for state, bound in list(self._settled.items()):
-            if state.__dict__.get("_lazy_init") is bound:
-                del state.__dict__["_lazy_init"]
-        self._settled.clear()
+        with self._settled_lock:
+            for state in list(self._settled):
+                bound = state.__dict__.get("_lazy_init")
+                if isinstance(bound, types.MethodType) and bound.__func__ is self._torch_lazy_init:
+                    del state.__dict__["_lazy_init"]
+            self._settled.clear()
+
+    def _uninstalled(self) -> None:
+        self._installed = False
+        self.unsettle()
 
     def note_layout(self, group: Any) -> None:
         """Called from ``_init_mp_dtypes``: queue the group if its layout was not compared yet."""
@@ -144,6 +158,7 @@ class RankConsistency:
             finally:
                 thread.in_root_lazy_init = False
             ranks.compare_pending()
+            ranks.settle(state, original)
 
         return _lazy_init
 
