@@ -4,6 +4,7 @@
                                                       # per-wrapper breakdown; bounds checked (exit 1 if missed)
     python tools/bench_instructions.py --world 1 --no-breakdown --no-mixed   # the four counts of one world size
     python tools/bench_instructions.py --quick        # CI form: one configuration pair, 2 steps, no bounds
+    python tools/bench_instructions.py --bytecodes    # no valgrind, seconds: the plugin's Python bytecodes per step
 
 Each count is ``torch.utils.benchmark.Timer(...).collect_callgrind()`` of 10 training steps (forward,
 ``.sum().backward()``) of a stack of 8 blocks (``Linear(32, 32)``), each ``fully_shard``-ed, plus the root,
@@ -225,13 +226,58 @@ def forwards_per_step(checkpoint: bool) -> int:
     return BLOCKS * (2 if checkpoint else 1)
 
 
+def count_bytecodes(checkpoint: bool) -> dict[str, tuple[int, int]]:
+    """Per plugin function: (bytecodes executed, calls) in one patched step, in this process (no valgrind)."""
+    plugin_dir = os.path.dirname(torch_fsdp_ext.__file__)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = build(config(checkpoint, None))
+    switch("upcast")
+    x = torch.randn(8, 32)
+    for _ in range(WARMUP_STEPS):
+        step(model, x)
+    counts: dict[str, list[int]] = {}
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if not frame.f_code.co_filename.startswith(plugin_dir):
+            return None
+        frame.f_trace_opcodes = True
+        entry = counts.setdefault(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}", [0, 0])
+        entry[1] += 1
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "opcode":
+                entry[0] += 1
+            return local
+
+        return local
+
+    sys.settrace(trace)
+    try:
+        step(model, x)
+    finally:
+        sys.settrace(None)
+        torch_fsdp_ext.uninstall()
+        dist.destroy_process_group()
+    return {name: (ops, calls) for name, (ops, calls) in counts.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, choices=[1, 2], action="append", help="world size(s); default 1 and 2")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the per-wrapper breakdown")
     parser.add_argument("--no-mixed", action="store_true", help="skip preserve/upcast on the mixed-dtype model")
     parser.add_argument("--quick", action="store_true", help="CI: world 1, no checkpoint, 2 steps, bounds not enforced")
+    parser.add_argument("--bytecodes", action="store_true", help="count the plugin's Python bytecodes (no valgrind)")
     args = parser.parse_args()
+    if args.bytecodes:
+        print(f"torch {torch.__version__}: the plugin's Python bytecodes in one step, {BLOCKS} blocks, world size 1")
+        for checkpoint in (False, True):
+            counts = count_bytecodes(checkpoint)
+            rows = [[name, f"{ops:,}", str(calls)] for name, (ops, calls) in sorted(counts.items(), key=lambda kv: -kv[1][0])]
+            rows.append(["total", f"{sum(o for o, _ in counts.values()):,}", str(sum(c for _, c in counts.values()))])
+            print(f"\n{'per-block checkpoint' if checkpoint else 'no checkpoint'}")
+            print(table(["function", "bytecodes", "calls"], rows))
+        return 0
     worlds = [1] if args.quick else (args.world or [1, 2])
     steps = 2 if args.quick else STEPS
     needed = {name: torch_fsdp_ext.status().fixes[name].needed for name in torch_fsdp_ext.FIX_NAMES}
