@@ -44,6 +44,9 @@ class TestTools(TestCase):
         result = run_tool("tools/bench_cpu.py", "all", "--quick")
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         self.assertIn("same upcast decisions at every world size: True", result.stdout)
+        # fp32 norms in one bf16 group: the collectives of a bf16 group, the training of per-norm fp32 units.
+        self.assertRegex(result.stdout, r"\(a\) collectives == \(c\): True; \(a\) < \(b\): True")
+        self.assertRegex(result.stdout, r"\(a\) losses == \(b\) losses bit for bit over \d+ steps: True")
         if HAS_DTYPE_BUG:
             self.assertRegex(result.stdout, r"bytes added (\d+) = expected \1 ")
 

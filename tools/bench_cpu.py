@@ -8,6 +8,7 @@
     python tools/bench_cpu.py scaling        # fake process group: 8, 128, 1024 ranks
     python tools/bench_cpu.py preserve       # training-state bytes and step time: model.float(), upcast, preserve
     python tools/bench_cpu.py decorator      # the FSDP hook wrappers inside vs outside FSDP's dynamo decorator
+    python tools/bench_cpu.py compute-dtype  # fp32 norms in a bf16 group: collectives, step time, loss vs fp32
     python tools/bench_cpu.py all --quick    # smoke test (CI): tiny sizes, bounds not enforced
 
 Note: patched and unpatched runs alternate in blocks inside one process (and, for
@@ -610,6 +611,147 @@ def preserve_section(args: argparse.Namespace) -> bool:
     return bytes_ratio <= BOUND_PRESERVE_BYTES_RATIO and arithmetic_ok and step_ok
 
 
+# -- compute dtype: fp32 norms inside one bf16 group ---------------------------------------
+
+# setup -> how the Llama-like model (bf16 linears, fp32 RMSNorm weights as loaded) is trained
+COMPUTE_DTYPE_SETUPS = {
+    "(a) one group per layer, override": "override",
+    "(b) per-norm fp32 units": "units",
+    "(c) one group per layer, bf16 norms": "bf16",
+    "(a') A/A control of (a)": "override",
+    "fp32 reference (no mixed precision)": "fp32",
+}
+COLLECTIVE_NAMES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "all_reduce")
+BOUND_COMPUTE_DTYPE_STEP_RATIO = 1.0
+
+
+def build_compute_dtype_model(dim: int, layers: int, vocab: int, layout: str) -> nn.Module:
+    """fp32 master weights everywhere; (a) by the plugin's upcast, the others by model.float() in plain torch."""
+    torch_fsdp_ext.uninstall()
+    torch.manual_seed(0)
+    model = LlamaLike(dim, layers, vocab).to(torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, nn.RMSNorm):
+            module.float()
+    policy = BF16_FP32
+    if layout == "override":
+        torch_fsdp_ext.install(["dtype"], dtype_strategy="upcast")
+        policy = torch_fsdp_ext.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+            param_dtype_override_fn=torch_fsdp_ext.compute_in_loaded_dtype(model, [nn.RMSNorm]),
+        )
+    else:
+        model.float()
+    if layout == "fp32":
+        policy = MixedPrecisionPolicy()
+    if layout == "units":
+        norm_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                           output_dtype=torch.bfloat16)
+        for module in model.modules():
+            if isinstance(module, nn.RMSNorm):
+                fully_shard(module, mp_policy=norm_policy)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+@contextlib.contextmanager
+def counting_collectives():
+    counts = dict.fromkeys(COLLECTIVE_NAMES, 0)
+    originals = {name: getattr(dist, name) for name in COLLECTIVE_NAMES if hasattr(dist, name)}
+
+    def counted(name: str, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for name, original in originals.items():
+        setattr(dist, name, counted(name, original))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def lm_loss_step(model: nn.Module, tokens: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
+    loss = nn.functional.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def run_compute_dtype_rank(rank: int, world: int, init_file: str, dims: tuple, rounds: int, result_file: str) -> None:
+    """Each setup: collectives of one step, N training steps (losses), then alternating timed rounds."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    dim, layers, vocab, steps, reps = dims
+    runs, result = {}, {}
+    for name, layout in COMPUTE_DTYPE_SETUPS.items():
+        model = build_compute_dtype_model(dim, layers, vocab, layout)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for step in range(steps):
+            tokens = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(100 * step + rank))
+            with counting_collectives() as counts:
+                losses.append(lm_loss_step(model, tokens, optimizer))
+        runs[name] = (model, optimizer)
+        result[name] = {"collectives": sum(counts.values()), "by_kind": dict(counts), "losses": losses}
+    torch_fsdp_ext.install(["dtype"])  # every model keeps the layout it got at lazy init
+    tokens = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(rank))
+    timed = [name for name in COMPUTE_DTYPE_SETUPS if not name.startswith("fp32")]
+    samples: dict[str, list[float]] = {name: [] for name in timed}
+    for _ in range(rounds):
+        for name in timed:
+            model, optimizer = runs[name]
+            for _ in range(reps):
+                dist.barrier()
+                start = time.perf_counter()
+                lm_loss_step(model, tokens, optimizer)
+                samples[name].append(time.perf_counter() - start)
+    for name in timed:
+        result[name]["step_ms"] = statistics.median(samples[name]) * 1e3
+    if rank == 0:
+        torch.save(result, result_file)
+    close_process_group()
+
+
+def compute_dtype_section(args: argparse.Namespace) -> bool:
+    world = 2
+    dim, layers, vocab, steps = args.compute_dtype_dims
+    r = spawn_ranks(run_compute_dtype_rank, world, (dim, layers, vocab, steps, args.reps), args.rounds)
+    a, b, c, aa = (r[name] for name in list(COMPUTE_DTYPE_SETUPS)[:4])
+    reference = r["fp32 reference (no mixed precision)"]["losses"][-1]
+    rows = []
+    for name, x in r.items():
+        gap = abs(x["losses"][-1] - reference)
+        step_ms = f"{x['step_ms']:.2f}" if "step_ms" in x else "-"
+        rows.append([name, x["collectives"], step_ms, f"{x['losses'][-1]:.6f}", f"{gap:.2e}"])
+    print(f"\nfp32 RMSNorms in a bf16 model: Llama-like d={dim}, {layers} layers (2 norms each), vocab {vocab}, "
+          f"{world} gloo ranks, fp32 master weights, param bf16 / reduce fp32, torch {torch.__version__}; "
+          f"collectives per step (all-gather + reduce-scatter + all-reduce), wall-clock step time (median of "
+          f"{args.rounds} alternating rounds of {args.reps} steps), loss after {steps} AdamW steps (rank 0)")
+    print(table(["setup", "collectives/step", "step ms", "loss", "|loss - fp32 loss|"], rows))
+    same_collectives = a["collectives"] == c["collectives"] and a["by_kind"] == c["by_kind"]
+    fewer = a["collectives"] < b["collectives"]
+    same_training = a["losses"] == b["losses"]
+    ratio, control = a["step_ms"] / b["step_ms"], aa["step_ms"] / a["step_ms"]
+    step_ok = ratio <= BOUND_COMPUTE_DTYPE_STEP_RATIO or abs(control - 1) >= abs(ratio - 1)
+    verdict = "ok" if ratio <= BOUND_COMPUTE_DTYPE_STEP_RATIO else ("noise" if step_ok else "MISSED")
+    gap_a = abs(a["losses"][-1] - reference)
+    gap_c = abs(c["losses"][-1] - reference)
+    print(f"(a) collectives == (c): {same_collectives}; (a) < (b): {fewer} ({a['collectives']} vs {b['collectives']})")
+    print(f"(a) losses == (b) losses bit for bit over {steps} steps: {same_training}")
+    print(f"step time (a)/(b) {ratio:.4f}, A/A (a')/(a) {control:.4f} (bound {BOUND_COMPUTE_DTYPE_STEP_RATIO}): {verdict}")
+    print(f"loss gap to the fp32 reference after {steps} steps: (c) bf16 norms {gap_c:.2e}, (a) fp32 norms "
+          f"{gap_a:.2e} ({gap_c / gap_a if gap_a else float('inf'):.1f}x)")
+    return same_collectives and fewer and same_training and step_ok
+
+
 # -- driver ------------------------------------------------------------------------------
 
 
@@ -767,7 +909,8 @@ def decorator_section(args: argparse.Namespace) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "section", choices=["all", "overhead", "breakdown", "memory", "init", "scaling", "preserve", "decorator"]
+        "section",
+        choices=["all", "overhead", "breakdown", "memory", "init", "scaling", "preserve", "decorator", "compute-dtype"],
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, bounds reported but not enforced")
     args = parser.parse_args()
@@ -775,13 +918,15 @@ def main() -> int:
         args.sizes, args.rounds, args.reps, args.iterations = [8], 2, 3, 20
         args.fraction, args.dim, args.layers, args.worlds = 0.5, 64, 4, [8, 128]
         args.preserve_bytes_dims, args.preserve_timing_dims = (64, 2, 128), (32, 2, 64)
+        args.compute_dtype_dims = (32, 2, 64, 3)
     else:
         args.sizes, args.rounds, args.reps, args.iterations = [8, 32, 128], 10, 3, 1000
         args.fraction, args.dim, args.layers, args.worlds = 0.5, 1024, 16, [8, 128, 1024]
         args.preserve_bytes_dims, args.preserve_timing_dims = (1024, 8, 4096), (128, 4, 512)
+        args.compute_dtype_dims = (128, 8, 512, 20)
     sections = {"overhead": overhead_section, "breakdown": breakdown_section, "memory": memory_section,
                 "init": init_section, "scaling": scaling_section, "preserve": preserve_section,
-                "decorator": decorator_section}
+                "decorator": decorator_section, "compute-dtype": compute_dtype_section}
     chosen = list(sections) if args.section == "all" else [args.section]
     print(f"torch {torch.__version__}, torch_fsdp_ext {torch_fsdp_ext.__version__}, {os.cpu_count()} CPUs")
     ok = all([sections[name](args) for name in chosen])

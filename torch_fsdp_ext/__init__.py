@@ -7,7 +7,8 @@
 
 import warnings as _warnings
 
-from . import _env, _install
+from . import _compute_dtype, _env, _install
+from ._compute_dtype import LoadedDtypeModules, MixedPrecisionPolicy, compute_in_loaded_dtype
 from ._dtype_plan import MixedParamDtypeError
 from ._dtype_strategies import STRATEGIES
 from ._install import FIX_NAMES, FixStatus, Status, install, installed, status, uninstall
@@ -17,9 +18,12 @@ __all__ = [
     "FIX_NAMES",
     "STRATEGIES",
     "FixStatus",
+    "LoadedDtypeModules",
+    "MixedPrecisionPolicy",
     "MixedParamDtypeError",
     "RankCheckTimeoutError",
     "Status",
+    "compute_in_loaded_dtype",
     "install",
     "installed",
     "status",
@@ -27,6 +31,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+_compute_dtype.set_default_selectors(_compute_dtype.selectors_from_env())
 _install.set_default_dtype_strategy(_env.choice("TORCH_FSDP_EXT_DTYPE_STRATEGY", STRATEGIES))
 if not _env.switch("TORCH_FSDP_EXT_DISABLE"):
     try:

@@ -328,7 +328,8 @@ def local_shard_numel(fsdp_param: Any) -> int:
 MIXED_REDUCE_OWNERS = ("FSDPParamGroup", "FSDPParam", "fsdp_param_group_module")
 
 # Set on each FSDPParam of a mixed group (releases without per-parameter gradient dtypes):
-# (the parameter's own dtype, the group's reduce dtype or None).
+# (the parameter's own dtype, the group's reduce dtype or None, the dtype its reduced
+# gradient is rounded through before the cast to its own dtype, or None).
 _MIXED_GROUP_ATTR = "_torch_fsdp_ext_mixed_dtypes"
 
 
@@ -368,7 +369,24 @@ def init_mp_dtypes_of_mixed_group(init_mp_dtypes: Callable, group: Any) -> None:
         raise AssertionError(f"FSDP expects uniform reduce dtype but got {reduce_dtypes}")
     reduce_dtype = next(iter(reduce_dtypes), None)
     for fsdp_param in group.fsdp_params:
-        fsdp_param.__dict__[_MIXED_GROUP_ATTR] = (fsdp_param.orig_dtype, reduce_dtype)
+        fsdp_param.__dict__[_MIXED_GROUP_ATTR] = (fsdp_param.orig_dtype, reduce_dtype, None)
+
+
+def is_mixed_group(group: Any) -> bool:
+    return any(_MIXED_GROUP_ATTR in p.__dict__ for p in group.fsdp_params)
+
+
+def mark_mixed_compute_group(
+    group: Any, reduce_dtype: torch.dtype | None, round_through: dict[Any, torch.dtype]
+) -> None:
+    """Reduce a group of one original dtype whose gradients come in several compute dtypes.
+
+    ``reduce_dtype``: the policy's (None: the widest gradient dtype). ``round_through``:
+    FSDPParam -> the dtype its reduced gradient is rounded to first, which makes one
+    reduce in the widest dtype give what a reduce in that dtype gives.
+    """
+    for fsdp_param in group.fsdp_params:
+        fsdp_param.__dict__[_MIXED_GROUP_ATTR] = (fsdp_param.orig_dtype, reduce_dtype, round_through.get(fsdp_param))
 
 
 def forget_mixed_group(group: Any) -> None:
@@ -415,6 +433,8 @@ def wrap_reduce_for_mixed_groups(patches: Any) -> None:
         @functools.wraps(original, updated=())
         def to_sharded_dtensor(fsdp_param: Any, tensor: torch.Tensor) -> Any:
             mixed = fsdp_param.__dict__.get(_MIXED_GROUP_ATTR)
+            if mixed is not None and mixed[2] is not None:
+                tensor = tensor.to(mixed[2])
             if mixed is not None and tensor.dtype != mixed[0]:
                 tensor = tensor.to(mixed[0])
             return original(fsdp_param, tensor)
@@ -474,6 +494,13 @@ def cast_floating_tensors(dtype: torch.dtype, value: Any) -> Any:
     """FSDP2's own mixed-precision cast (floating tensors only, nested containers)."""
     internals = load_internals()
     return internals.apply_to_tensors(functools.partial(internals.cast_fp_tensor, dtype), value)
+
+
+def floating_tensor_cast(dtype: torch.dtype) -> Callable[[Any], Any]:
+    """``cast_floating_tensors`` bound to ``dtype`` once, for hooks that torch.compile traces."""
+    internals = load_internals()
+    apply, cast = internals.apply_to_tensors, functools.partial(internals.cast_fp_tensor, dtype)
+    return lambda value: apply(cast, value)
 
 
 def accelerator_device_type() -> str | None:

@@ -12,6 +12,10 @@ Two hooks hand a mixed group to the chosen strategy (``_dtype_strategies.py``):
 - right before ``_init_mp_dtypes`` (lazy init, first forward), which also catches
   dtype changes made after ``fully_shard`` and groups built before ``install()``.
 
+The ``__init__`` hook also resolves ``MixedPrecisionPolicy.param_dtype_override_fn`` on
+the parameters as loaded, before any cast, and the lazy-init hook applies it
+(``_compute_dtype.py``).
+
 A group that stays mixed (``preserve``) passes FSDP's check through
 ``_compat.init_mp_dtypes_of_mixed_group``; on releases whose reduce-scatter casts
 the whole output to one dtype, ``_compat`` also wraps that path so that each
@@ -24,8 +28,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import _compat
-from ._dtype_plan import MixedParamDtypeError, ParamEntry, plan_group_dtypes
+from . import _compat, _compute_dtype
+from ._dtype_plan import MixedParamDtypeError, ParamEntry, param_names, plan_group_dtypes
 from ._dtype_strategies import make_strategy
 from ._patching import PatchSet, wraps
 from ._rank_consistency import RankConsistency
@@ -76,19 +80,24 @@ class DtypeFix:
 
         @wraps(original)
         def __init__(group: Any, *args: Any, **kwargs: Any) -> None:
-            if fix.active and fix.strategy.name == "upcast":
-                bound = _compat.bind_param_group_init(original, (group, *args), kwargs)
-                fix.before_sharding(bound.arguments["params"], bound.arguments["modules"], bound.arguments["mp_policy"])
-            original(group, *args, **kwargs)
+            if not fix.active:
+                return original(group, *args, **kwargs)
+            bound = _compat.bind_param_group_init(original, (group, *args), kwargs)
+            params, modules, mp_policy = (bound.arguments[k] for k in ("params", "modules", "mp_policy"))
+            # Per-parameter compute dtypes are chosen on the parameters as loaded, before any cast.
+            overrides = _compute_dtype.resolve_before_sharding(params, modules, mp_policy)
+            if overrides is not None:
+                bound.arguments["mp_policy"] = overrides.policy
+            if fix.strategy.name == "upcast":
+                fix.before_sharding(params, modules, mp_policy)
+            original(*bound.args, **bound.kwargs)
+            if overrides is not None:
+                _compute_dtype.after_sharding(group, overrides)
 
         return __init__
 
     def before_sharding(self, params: list[torch.nn.Parameter], modules: tuple, mp_policy: Any) -> None:
-        names = {}
-        for module in reversed(modules):
-            prefix = type(module).__name__
-            for name, param in module.named_parameters(remove_duplicate=False):
-                names[id(param)] = f"{prefix}:{name}"
+        names = param_names(modules)
         plan = plan_group_dtypes([ParamEntry(names.get(id(p), f"<param {i}>"), p, p) for i, p in enumerate(params)])
         group_name = ", ".join(type(m).__name__ for m in modules)
         self.strategy.before_sharding(plan, group_name, mp_policy)
@@ -102,14 +111,18 @@ class DtypeFix:
         def _init_mp_dtypes(group: Any) -> None:
             if not fix.active:
                 return original(group)
+            _compute_dtype.check_defaults_matched()
             stays_mixed = fix.prepare_sharded_group(group)
             fix.ranks.note_layout(group)
             if stays_mixed:
-                return _compat.init_mp_dtypes_of_mixed_group(original, group)
-            _compat.forget_mixed_group(group)
-            if fix.counts_frozen:
-                return fix._init_mp_dtypes_trainable_only(original, group)
-            return original(group)
+                _compat.init_mp_dtypes_of_mixed_group(original, group)
+            else:
+                _compat.forget_mixed_group(group)
+                if fix.counts_frozen:
+                    fix._init_mp_dtypes_trainable_only(original, group)
+                else:
+                    original(group)
+            _compute_dtype.at_lazy_init(group)
 
         return _init_mp_dtypes
 

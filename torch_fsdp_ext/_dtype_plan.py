@@ -67,6 +67,16 @@ def cast_exclusion_reason(tensor: torch.Tensor) -> str | None:
     return None
 
 
+def param_names(modules: tuple) -> dict[int, str]:
+    """``id(param) -> "Class:name"`` for a group's parameters before sharding (FQNs exist only after)."""
+    names = {}
+    for module in reversed(modules):
+        prefix = type(module).__name__
+        for name, param in module.named_parameters(remove_duplicate=False):
+            names[id(param)] = f"{prefix}:{name}"
+    return names
+
+
 def plan_group_dtypes(params: list[ParamEntry]) -> GroupDtypePlan:
     trainable = [p for p in params if p.tensor.requires_grad]
     plan = GroupDtypePlan(trainable=trainable)

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 8 -m torch_fsdp_ext.run train.py --lr 1e-4
     accelerate launch -m torch_fsdp_ext.run train.py --lr 1e-4
     python -m torch_fsdp_ext.run [--dtype-strategy STRATEGY] train.py ARGS...
+    python -m torch_fsdp_ext.run --compute-in-loaded-dtype LlamaRMSNorm,lm_head train.py ARGS...
     python -m torch_fsdp_ext.run -m package.module ARGS...
 
 Imports the plugin (which installs the fixes this torch needs), then runs the script
@@ -31,6 +32,12 @@ def main(argv: list[str] | None = None) -> None:
         choices=torch_fsdp_ext.STRATEGIES,
         help="how mixed parameter dtypes in one FSDP group are handled (installs with this strategy)",
     )
+    parser.add_argument(
+        "--compute-in-loaded-dtype",
+        metavar="MODULES",
+        help="comma-separated module class names / FQN globs whose parameters compute in their loaded dtype in "
+        "every FSDP group (as TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE; docs/compute-dtype.md)",
+    )
     parser.add_argument("-m", dest="as_module", action="store_true", help="run a module, like python -m")
     parser.add_argument("target", help="the script (or, with -m, the module) to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
@@ -38,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if options.dtype_strategy is not None:
         torch_fsdp_ext.install(dtype_strategy=options.dtype_strategy)
+    if options.compute_in_loaded_dtype is not None:
+        torch_fsdp_ext._compute_dtype.set_default_selectors(options.compute_in_loaded_dtype)
     sys.argv = [options.target, *options.args]
     if options.as_module:
         runpy.run_module(options.target, run_name="__main__", alter_sys=True)

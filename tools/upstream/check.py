@@ -17,29 +17,43 @@ For each patch in ``PATCHES``:
    machinery are skipped in that run (``plugin_specific`` in test/common.py).
 
 Finally it checks that the patches also apply one after the other (the stack).
-Exits non-zero if any step of any patch fails.
+Exits non-zero if any step of any patch fails; the summary names each failed step and
+test (with its exception line, e.g. a rank's assertion or a timeout) and how long each step took.
+
+Timeouts are explicit and generous, since CI machines may be loaded: each
+multi-process test (all subtests of a torch-style test run in one) may take
+``TEST_TIMEOUT_S`` before its processes are killed and it fails as timed out.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import xml.etree.ElementTree as ET
 from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 PACKAGE = "torch/distributed/fsdp/_fully_shard"
 BASE_RELEASE = "2.15.0"
+# Seconds one multi-process test may run (torch's default is 300; a torch-style test with
+# all its subtests takes about 2 minutes on a loaded 2-core machine).
+TEST_TIMEOUT_S = 900
 
 
 class Patch(NamedTuple):
     file: str  # in tools/upstream/
     upstream_test: str  # the test file the patch adds, relative to torch's repository root
     project_tests: tuple[str, ...]  # relative to this repository's root
+    # Whether the upstream test's devices only stand for ranks: then test_on_cpu.py runs
+    # its skip_if_lt_x_gpu(n) tests with n gloo ranks on CPU
+    ranks_for_devices: bool
 
 
 # The stack, in order. Project tests: PR 1 has the semantics of dtype_strategy="preserve"
@@ -51,11 +65,13 @@ PATCHES = (
         "pr1-mixed-orig-dtypes.patch",
         "test/distributed/_composable/fsdp/test_fully_shard_mixed_dtype.py",
         ("test/test_preserve.py",),
+        ranks_for_devices=True,
     ),
     Patch(
         "pr2-recompute-root-input-move.patch",
         "test/distributed/_composable/fsdp/test_fully_shard_recompute_inputs.py",
         ("test/test_recompute.py", "tools/upstream/test_recompute_inputs_on_cpu.py"),
+        ranks_for_devices=False,  # its test moves CPU inputs to a real accelerator
     ),
 )
 
@@ -115,6 +131,24 @@ def apply(patch_file: str, tmp: str) -> bool:
     return True
 
 
+# The last "SomeError: ..." line of a failure: for a multi-process test, the rank's
+# exception (its first line only says which rank exited) or the timeout.
+EXCEPTION_LINE = re.compile(r"^\s*(?:E\s+)?((?:\w+\.)*\w*(?:Error|Exception)\w*: .*)$", re.MULTILINE)
+
+
+def failed_tests(junit_xml: str) -> list[str]:
+    """The failed tests of a pytest run, each with its (last) exception line."""
+    if not os.path.exists(junit_xml):
+        return []
+    failed = []
+    for case in ET.parse(junit_xml).iter("testcase"):
+        for problem in (*case.iter("failure"), *case.iter("error")):
+            text = f"{problem.get('message') or ''}\n{problem.text or ''}"
+            reason = (EXCEPTION_LINE.findall(text) or text.strip().splitlines() or [""])[-1]
+            failed.append(f"{case.get('classname')}::{case.get('name')} ({reason.strip()[:200]})")
+    return failed
+
+
 def check_patch(patch: Patch, pytest_args: list[str]) -> list[str]:
     """Returns what failed (empty when the patch passed)."""
     print(f"\n=== {patch.file}")
@@ -132,25 +166,34 @@ def check_patch(patch: Patch, pytest_args: list[str]) -> list[str]:
             os.environ,
             TORCH_FSDP_EXT_DISABLE="1",
             TORCH_FSDP_EXT_TESTS_UPSTREAM_ONLY="1",
+            TORCH_FSDP_EXT_TEST_TIMEOUT=str(TEST_TIMEOUT_S),
             UPSTREAM_TEST_FILE=upstream_test,
+            UPSTREAM_TEST_RANKS_FOR_DEVICES="1" if patch.ranks_for_devices else "0",
+            PYTORCH_PRINT_REPRO_ON_FAILURE="0",
         )
-        # A torch-style test runs all its subtests in one test: minutes on a small CPU machine.
-        env.setdefault("TORCH_FSDP_EXT_TEST_TIMEOUT", "600")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (tmp, ROOT, os.environ.get("PYTHONPATH")) if p)
         where = subprocess.run(
             [sys.executable, "-c", "import torch.distributed.fsdp._fully_shard._fsdp_state as m; print(m.__file__)"],
-            env=env, capture_output=True, text=True, check=True,
-        ).stdout.strip()
-        if not where.startswith(tmp):
-            return [f"FSDP2 was imported from {where}, not from the patched copy"]
-        print(f"applies; FSDP2 imported from the patched copy: {where}")
+            env=env, capture_output=True, text=True,
+        )
+        if where.returncode != 0 or not where.stdout.strip().startswith(tmp):
+            return [f"import from the patched copy: {where.stdout.strip() or where.stderr.strip()[-500:]}"]
+        print(f"applies; FSDP2 imported from the patched copy: {where.stdout.strip()}")
         tests = [os.path.join(HERE, "test_on_cpu.py"), *(os.path.join(ROOT, t) for t in patch.project_tests)]
         if accelerator_count() > 0:
             tests.insert(0, upstream_test)  # as torch's CI runs it
         else:
             print(f"{patch.upstream_test} as torch's harness runs it: not run, {NO_ACCELERATOR}")
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", *tests, *pytest_args], cwd=ROOT, env=env)
-        return [f"tests (pytest exit status {run.returncode})"] if run.returncode != 0 else []
+        junit_xml = os.path.join(tmp, "junit.xml")
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-rs", f"--junitxml={junit_xml}", *tests, *pytest_args],
+            cwd=ROOT, env=env,
+        )
+        if run.returncode == 0:
+            return []
+        return [f"pytest: {test}" for test in failed_tests(junit_xml)] or [
+            f"pytest exited with status {run.returncode} and reported no failed test"
+        ]
 
 
 def check_stack() -> list[str]:
@@ -164,6 +207,13 @@ def check_stack() -> list[str]:
     return []
 
 
+def timed(name: str, step, durations: dict[str, float]):
+    start = time.monotonic()
+    failed = step()
+    durations[name] = time.monotonic() - start
+    return failed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     pytest_args = parser.parse_known_args()[1]  # everything else goes to pytest (e.g. -k parity)
@@ -171,11 +221,17 @@ def main() -> int:
 
     if torch.__version__.split("+")[0] != BASE_RELEASE:
         print(f"note: the patches are against torch {BASE_RELEASE}; this is torch {torch.__version__}")
-    failures = {patch.file: check_patch(patch, pytest_args) for patch in PATCHES}
-    failures["stack"] = check_stack()
-    print("\n=== summary")
+    durations: dict[str, float] = {}
+    failures = {
+        patch.file: timed(patch.file, lambda patch=patch: check_patch(patch, pytest_args), durations)
+        for patch in PATCHES
+    }
+    failures["stack"] = timed("stack", check_stack, durations)
+    print(f"\n=== summary (each multi-process test may take {TEST_TIMEOUT_S} s)")
     for name, failed in failures.items():
-        print(f"{name}: {'FAILED: ' + '; '.join(failed) if failed else 'ok'}")
+        print(f"{name}: {'FAILED' if failed else 'ok'} ({durations[name]:.0f} s)")
+        for what in failed:
+            print(f"  failed: {what}")
     return 1 if any(failures.values()) else 0
 
 

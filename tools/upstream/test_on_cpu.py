@@ -3,15 +3,17 @@
     UPSTREAM_TEST_FILE=.../test_fully_shard_mixed_dtype.py python -m pytest tools/upstream/test_on_cpu.py
 
 Note: torch's harness does not run these tests on a CPU-only machine. Their world size
-is ``min(n, torch.accelerator.device_count())``, as in torch's FSDP tests, i.e. 0, so
-``MultiProcessTestCase`` spawns no process and reports a pass; and with a fixed world
-size ``FSDPTest._run`` exits with the "multi-device" skip whenever
-``torch.accelerator.device_count() < world_size`` (``common_fsdp.py``), even for tests
-marked ``skip_if_lt_x_gpu(n, allow_cpu=True)``. Each class here is the upstream class
-with only the world size and the process-group setup replaced: ``WORLD_SIZE`` gloo
-ranks on CPU. The test bodies, their skip decorators and their assertions are the
-upstream ones; a test that needs an accelerator still skips. ``check.py`` sets
-``UPSTREAM_TEST_FILE``.
+is ``min(n, device count)``, as in torch's FSDP tests, i.e. 0, so
+``MultiProcessTestCase`` spawns no process and reports a pass; with a fixed world size
+``FSDPTest._run`` exits with the "multi-device" skip whenever there are fewer
+accelerators than ranks (``common_fsdp.py``); and ``skip_if_lt_x_gpu(n)`` exits with it
+in the test itself. Each class here is the upstream class with the world size and the
+process-group setup replaced: ``WORLD_SIZE`` gloo ranks on CPU. With
+``UPSTREAM_TEST_RANKS_FOR_DEVICES=1`` (for tests whose devices only stand for ranks), a
+test marked ``skip_if_lt_x_gpu(n)`` also runs when ``n <= WORLD_SIZE``, as
+``allow_cpu=True`` would let it; without it, that skip stays (tests that need a real
+accelerator). The test bodies, their other skips (e.g. "Requires NCCL backend") and
+their assertions are the upstream ones. ``check.py`` sets both variables.
 """
 
 from __future__ import annotations
@@ -20,9 +22,16 @@ import importlib.util
 import os
 
 import torch.distributed as dist
+from torch.testing._internal import common_distributed
 from torch.testing._internal.common_fsdp import FSDPTest
 
 WORLD_SIZE = 4  # torch's FSDP tests use min(4, device count); 4 makes reshard_after_forward=2 a real subgroup
+RANKS_FOR_DEVICES = os.environ.get("UPSTREAM_TEST_RANKS_FOR_DEVICES") == "1"
+# Note: a torch-style test runs all its subtests in one multi-process test, which fails
+# when it runs longer than this (check.py sets it; torch's default, 300 s, is short on
+# a loaded machine).
+if "TORCH_FSDP_EXT_TEST_TIMEOUT" in os.environ:
+    common_distributed.TIMEOUT_DEFAULT = int(os.environ["TORCH_FSDP_EXT_TEST_TIMEOUT"])
 
 
 class _GlooOnCPU:
@@ -42,11 +51,28 @@ class _GlooOnCPU:
             dist.destroy_process_group()
 
 
+def _run_with_gloo_ranks(test_fn) -> None:
+    """Lets ``skip_if_lt_x_gpu(n)`` in ``test_fn``'s decorators pass for ``n <= WORLD_SIZE``."""
+    # Note: its wrapper keeps ``allow_cpu`` in a closure cell and records ``n`` as
+    # ``_min_gpus_required`` (which functools.wraps copies to outer decorators).
+    # Other decorators keep their checks.
+    fn = test_fn
+    while fn is not None:
+        if "allow_cpu" in fn.__code__.co_freevars and fn._min_gpus_required <= WORLD_SIZE:
+            fn.__closure__[fn.__code__.co_freevars.index("allow_cpu")].cell_contents = True
+        fn = getattr(fn, "__wrapped__", None)
+
+
 def _load_upstream_tests(path: str) -> dict[str, type]:
     name = os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(f"upstream_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    for cls in vars(module).values() if RANKS_FOR_DEVICES else ():
+        if isinstance(cls, type) and issubclass(cls, FSDPTest) and cls.__module__ == module.__name__:
+            for name, test_fn in vars(cls).items():
+                if name.startswith("test"):
+                    _run_with_gloo_ranks(test_fn)
     # Note: module-level names, so that the spawned rank processes (which re-import
     # this file with the same environment) find the classes their tests pickle.
     return {

@@ -1,0 +1,375 @@
+"""Per-parameter compute dtype inside one FSDP2 group (``param_dtype_override_fn``).
+
+torch 2.15 added ``MixedPrecisionPolicy(param_dtype_override_fn=fn)``: ``fn(param)``
+returns ``None``, ``param_dtype`` or the parameter's original dtype, and a parameter
+for which it returns its original dtype is all-gathered and computes in that dtype
+(fp32 norms in a bf16 group) without an FSDP unit of its own. This module gives the
+same field, semantics and errors on every release (torch's class where it has the
+field, a compatible subclass elsewhere), and the common case without writing a
+function: ``compute_in_loaded_dtype(model, [LlamaRMSNorm, "lm_head"])`` or the
+``TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE`` environment variable.
+
+The dtype fix (``_dtype_fix.py``) calls three steps:
+
+- ``resolve_before_sharding``: in ``FSDPParamGroup.__init__`` before the dtype fix
+  casts anything, so that ``fn`` sees each parameter as the user loaded it;
+- ``after_sharding``: gives each ``FSDPParam`` its own policy;
+- ``at_lazy_init``: after ``_init_mp_dtypes``, on releases before 2.15, sets each
+  overridden ``FSDPParam.param_dtype``.
+
+Note: nothing else is needed for the all-gather. FSDP2 all-gathers a group whose
+all-gather inputs mix dtypes as bytes (``_get_all_gather_input_metadatas`` falls back
+to ``uint8``; read in 2.12.1, 2.13.0 and 2.15.0), copies each parameter out in its own dtype, and its
+fast-path foreach cast skips parameters without a ``param_dtype``. One all-gather
+per group, as before; groups without an override are not touched at all.
+Before 2.15 the reduce-scatter takes one gradient dtype: ``_compat`` reduces such
+a group in its widest dtype (``reduce_dtype`` when set) and gives each parameter
+its gradient in its own dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from . import _compat
+from ._dtype_plan import format_dtype, param_names
+
+ENV_VAR = "TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE"
+
+_TorchMixedPrecisionPolicy = _compat.fsdp2_api().MixedPrecisionPolicy
+
+# Note: probed from the dataclass fields, not the version: 2.15 is the first release with it.
+TORCH_HAS_OVERRIDE = "param_dtype_override_fn" in {f.name for f in dataclasses.fields(_TorchMixedPrecisionPolicy)}
+
+# Set on an FSDPParam whose compute dtype an override chose: the dtype it computes in.
+_COMPUTE_ATTR = "_torch_fsdp_ext_compute_dtype"
+
+
+if TORCH_HAS_OVERRIDE:
+    MixedPrecisionPolicy = _TorchMixedPrecisionPolicy
+else:
+
+    @dataclass(frozen=True)
+    class MixedPrecisionPolicy(_TorchMixedPrecisionPolicy):  # type: ignore[no-redef]
+        """torch's ``MixedPrecisionPolicy`` with 2.15's ``param_dtype_override_fn`` (kw-only).
+
+        ``param_dtype_override_fn(param)`` is called once per parameter when
+        ``fully_shard`` builds its group, on the parameter as it was loaded. It returns
+        ``None`` or ``param_dtype`` (compute in ``param_dtype``) or the parameter's
+        original dtype (all-gather and compute in it); anything else is a ``ValueError``.
+        Forward inputs are still cast to ``param_dtype``. Needs ``torch_fsdp_ext``
+        installed (the default on import).
+        """
+
+        param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = field(
+            default=None, kw_only=True
+        )
+
+        def _resolve_for_param(self, param: nn.Parameter) -> "MixedPrecisionPolicy":
+            if self.param_dtype_override_fn is None:
+                return self
+            name = f"a parameter of shape {tuple(param.shape)}"
+            param_dtype = _resolve(self.param_dtype_override_fn, self, param, name)
+            return dataclasses.replace(self, param_dtype=param_dtype, param_dtype_override_fn=None)
+
+
+def override_fn_of(policy: Any) -> Callable | None:
+    return getattr(policy, "param_dtype_override_fn", None)
+
+
+# ---------------------------------------------------------------------------
+# The common case: "these modules compute in their loaded dtype"
+# ---------------------------------------------------------------------------
+
+Selector = "type[nn.Module] | str"
+
+
+def _matches(selector: Any, fqn: str, module: nn.Module) -> bool:
+    """A class matches its instances; a string matches a class name, an FQN glob, or one FQN component."""
+    if isinstance(selector, type):
+        return isinstance(module, selector)
+    return (
+        any(cls.__name__ == selector for cls in type(module).__mro__)
+        or fnmatch.fnmatchcase(fqn, selector)
+        or selector in fqn.split(".")  # transformers' _keep_in_fp32_modules convention
+    )
+
+
+def _check_selectors(selectors: Iterable[Any]) -> tuple[Any, ...]:
+    selectors = (selectors,) if isinstance(selectors, (str, type)) else tuple(selectors)
+    for selector in selectors:
+        if not (isinstance(selector, str) and selector.strip()) and not (
+            isinstance(selector, type) and issubclass(selector, nn.Module)
+        ):
+            raise TypeError(
+                "torch_fsdp_ext: compute_in_loaded_dtype takes nn.Module classes, class names or module FQN "
+                f"patterns, got {selector!r}"
+            )
+    return selectors
+
+
+class LoadedDtypeModules:
+    """A ``param_dtype_override_fn``: parameters of the matched modules compute in their loaded dtype.
+
+    Made by ``compute_in_loaded_dtype``. With the plugin installed, each matched module
+    also runs as it would as its own FSDP unit with an fp32 policy and
+    ``output_dtype=param_dtype``: its floating inputs are cast to its loaded dtype, its
+    floating outputs back to ``param_dtype``.
+    """
+
+    def __init__(self, modules: dict[nn.Module, torch.dtype]) -> None:
+        self.modules = modules  # matched module -> the dtype it computes in
+        self._dtypes = {id(p): dtype for m, dtype in modules.items() for p in m.parameters()}
+
+    def __call__(self, param: nn.Parameter) -> torch.dtype | None:
+        return self._dtypes.get(id(param))
+
+
+def _module_dtype(fqn: str, module: nn.Module) -> torch.dtype | None:
+    dtypes = {p.dtype for p in module.parameters() if p.dtype.is_floating_point}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{fqn}.{n} ({format_dtype(p.dtype)})" for n, p in module.named_parameters())
+        raise ValueError(
+            f"torch_fsdp_ext: module {fqn} ({type(module).__name__}) was selected to compute in its loaded dtype "
+            f"but its parameters have several: {listing}. Fix: select its submodules instead."
+        )
+    return next(iter(dtypes), None)
+
+
+def _select(root: nn.Module, selectors: tuple[Any, ...], prefix: str = "") -> tuple[dict, set]:
+    """Matched modules (outermost; -> their dtype) and the selectors that matched something."""
+    modules: dict[nn.Module, torch.dtype] = {}
+    used: set[int] = set()
+    covered: set[int] = set()
+    for fqn, module in root.named_modules(prefix=prefix):
+        if id(module) in covered:
+            continue
+        hits = [i for i, s in enumerate(selectors) if _matches(s, fqn, module)]
+        if not hits:
+            continue
+        used.update(hits)
+        dtype = _module_dtype(fqn or "<root>", module)
+        covered.update(id(m) for m in module.modules())
+        if dtype is not None:
+            modules[module] = dtype
+    return modules, used
+
+
+def compute_in_loaded_dtype(model: nn.Module, modules: Iterable[Any]) -> LoadedDtypeModules:
+    """A ``param_dtype_override_fn`` that keeps the selected modules computing in their loaded dtype.
+
+    ``modules``: ``nn.Module`` classes, class names, FQN globs (``"layers.*.norm"``) or FQN
+    components (transformers' ``model._keep_in_fp32_modules``). Call it on the model as
+    loaded (before ``fully_shard``) and pass the result as
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=...)``.
+    A selector that matches no module is an error.
+    """
+    selectors = _check_selectors(modules)
+    matched, used = _select(model, selectors)
+    unused = [s for i, s in enumerate(selectors) if i not in used]
+    if unused:
+        raise ValueError(_nothing_matched(unused, model))
+    return LoadedDtypeModules(matched)
+
+
+def _selector_name(selector: Any) -> str:
+    return selector.__name__ if isinstance(selector, type) else repr(selector)
+
+
+def _nothing_matched(unused: list, model: nn.Module | None) -> str:
+    classes = sorted({type(m).__name__ for m in model.modules()}) if model is not None else []
+    known = f" Module classes in the model: {', '.join(classes)}." if classes else ""
+    return (
+        f"torch_fsdp_ext: compute_in_loaded_dtype: {', '.join(_selector_name(s) for s in unused)} matched no "
+        f"module.{known} Selectors are nn.Module classes, class names, FQN globs or FQN components."
+    )
+
+
+# Selectors from TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE / ``run.py --compute-in-loaded-dtype``,
+# applied to every group whose policy has no override of its own.
+_default_selectors: tuple[str, ...] = ()
+_matched_defaults: set[int] = set()
+
+
+def set_default_selectors(selectors: Iterable[str] | str | None) -> None:
+    """Modules that compute in their loaded dtype in every group without an override ("" or None: none)."""
+    global _default_selectors
+    if isinstance(selectors, str):
+        selectors = [s.strip() for s in selectors.split(",") if s.strip()]
+    _default_selectors = _check_selectors(selectors or ())
+    _matched_defaults.clear()
+
+
+def default_selectors() -> tuple[str, ...]:
+    return _default_selectors
+
+
+def selectors_from_env() -> str | None:
+    return os.environ.get(ENV_VAR)
+
+
+# ---------------------------------------------------------------------------
+# Steps called by the dtype fix
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class GroupOverrides:
+    """What ``resolve_before_sharding`` found for one group: the compute dtype per parameter index."""
+
+    policy: Any  # the group's policy, without the override function
+    compute_dtypes: dict[int, torch.dtype]
+    boundary_modules: dict[nn.Module, torch.dtype]
+
+
+def resolve_before_sharding(params: list[nn.Parameter], modules: tuple, mp_policy: Any) -> GroupOverrides | None:
+    """Call the group's override on each parameter as loaded; None for a group without one."""
+    fn = override_fn_of(mp_policy)
+    if fn is None and not _default_selectors:
+        return None
+    boundary: dict[nn.Module, torch.dtype] = {}
+    in_group = {id(p) for p in params}
+    if fn is None and _default_selectors:
+        for module in modules:
+            found, used = _select(module, _default_selectors)
+            boundary.update(found)
+            _matched_defaults.update(used)
+        fn = LoadedDtypeModules(boundary) if boundary else None
+    elif isinstance(fn, LoadedDtypeModules):
+        boundary = fn.modules
+    # Only modules with a parameter in this group: nested FSDP units handle their own.
+    boundary = {m: d for m, d in boundary.items() if any(id(p) in in_group for p in m.parameters())}
+    if fn is None:
+        return None
+    base = dataclasses.replace(mp_policy, param_dtype_override_fn=None) if override_fn_of(mp_policy) else mp_policy
+    names = param_names(modules)
+    compute_dtypes = {}
+    for index, param in enumerate(params):
+        dtype = _resolve(fn, base, param, names.get(id(param), f"<param {index}>"))
+        if dtype != base.param_dtype:
+            compute_dtypes[index] = dtype
+    return GroupOverrides(base, compute_dtypes, boundary)
+
+
+def _resolve(fn: Callable, policy: Any, param: nn.Parameter, name: str) -> torch.dtype | None:
+    """2.15's ``_resolve_for_param`` rule, with the parameter named in the error."""
+    override = fn(param)
+    if override is None:
+        return policy.param_dtype
+    loaded = format_dtype(param.dtype)
+    if not isinstance(override, torch.dtype):
+        raise ValueError(
+            f"torch_fsdp_ext: param_dtype_override_fn must return a torch.dtype or None but got "
+            f"{type(override).__name__} ({override!r}) for {name} ({loaded})"
+        )
+    if override not in (policy.param_dtype, param.dtype):
+        raise ValueError(
+            f"torch_fsdp_ext: param_dtype_override_fn must return None, param_dtype "
+            f"({policy.param_dtype}), or the parameter's original dtype ({param.dtype}) but got {override} "
+            f"for {name} ({loaded})"
+        )
+    return override
+
+
+def after_sharding(group: Any, overrides: GroupOverrides) -> None:
+    """Give each overridden FSDPParam its own policy (read by 2.15's lazy init) and mark it."""
+    for index, dtype in overrides.compute_dtypes.items():
+        fsdp_param = group.fsdp_params[index]
+        fsdp_param.mp_policy = dataclasses.replace(overrides.policy, param_dtype=dtype)
+        fsdp_param.__dict__[_COMPUTE_ATTR] = dtype
+    if overrides.policy.param_dtype is not None:
+        for module, dtype in overrides.boundary_modules.items():
+            _add_boundary_casts(module, dtype, overrides.policy.param_dtype)
+
+
+def at_lazy_init(group: Any) -> None:
+    """Before 2.15: the overridden parameters' ``param_dtype``, and one reduce for mixed gradient dtypes."""
+    overridden = [p for p in group.fsdp_params if _COMPUTE_ATTR in p.__dict__]
+    if not overridden:
+        return
+    if not TORCH_HAS_OVERRIDE:
+        for fsdp_param in overridden:
+            dtype = fsdp_param.__dict__[_COMPUTE_ATTR]
+            fsdp_param.param_dtype = None if dtype == fsdp_param.orig_dtype else dtype
+    _check_one_cast_dtype(group)
+    if TORCH_HAS_OVERRIDE:
+        return  # 2.15 reduces mixed gradient dtypes itself
+    trainable = [p for p in group.fsdp_params if _compat.fsdp_param_is_trainable(p)]
+    compute = {p: p.param_dtype or p.orig_dtype for p in trainable}
+    if len(set(compute.values())) < 2 or _compat.is_mixed_group(group):
+        return  # one gradient dtype, or a preserve group already reduced in its widest dtype
+    # Note: with reduce_dtype=None a release before 2.15 reduces each gradient in the
+    # dtype it was computed in; one reduce in the widest dtype, with each gradient
+    # rounded to its compute dtype, gives the same for the parameters the override
+    # leaves alone as without it.
+    reduce_dtype = group.mp_policy.reduce_dtype
+    _compat.mark_mixed_compute_group(group, reduce_dtype, {} if reduce_dtype is not None else compute)
+
+
+def _check_one_cast_dtype(group: Any) -> None:
+    """FSDP's all-gather copy-in casts every parameter with a ``param_dtype`` to the first one's."""
+    cast = [p for p in group.fsdp_params if p.param_dtype is not None]
+    if len({p.param_dtype for p in cast}) > 1:
+        listing = ", ".join(
+            f"{_compat.fsdp_param_fqn(p)} ({format_dtype(p.orig_dtype)} -> {format_dtype(p.param_dtype)})" for p in cast
+        )
+        raise ValueError(
+            f"torch_fsdp_ext: FSDP2 group {_compat.group_name(group)!r} would cast parameters to several compute "
+            f"dtypes: {listing}. A loaded dtype other than param_dtype can only be kept where the parameter is "
+            "stored in it. Fix: install(dtype_strategy='preserve'), or make param_dtype that dtype."
+        )
+
+
+def check_defaults_matched() -> None:
+    """At lazy init: every selector of the environment / launcher matched a module somewhere."""
+    unused = [s for i, s in enumerate(_default_selectors) if i not in _matched_defaults]
+    if unused:
+        raise ValueError(
+            _nothing_matched(unused, None).replace("compute_in_loaded_dtype", ENV_VAR, 1)
+            + " No FSDP2 group built so far holds such a module."
+        )
+
+
+def compute_dtype_of(fsdp_param: Any) -> torch.dtype | None:
+    """The compute dtype an override gave this FSDPParam, or None."""
+    return fsdp_param.__dict__.get(_COMPUTE_ATTR)
+
+
+# ---------------------------------------------------------------------------
+# Module boundary casts of the common case
+# ---------------------------------------------------------------------------
+
+_BOUNDARY_ATTR = "_torch_fsdp_ext_boundary_casts"
+
+
+def _add_boundary_casts(module: nn.Module, compute_dtype: torch.dtype, output_dtype: torch.dtype) -> None:
+    """Inputs to ``compute_dtype``, outputs to ``output_dtype``: what its own FSDP unit would do.
+
+    Note: plain module hooks, traced by torch.compile like the module's own code;
+    they run again in activation-checkpoint recompute, as the forward did.
+    """
+    if module.__dict__.get(_BOUNDARY_ATTR) == (compute_dtype, output_dtype):
+        return
+    if _BOUNDARY_ATTR in module.__dict__:
+        raise ValueError(
+            f"torch_fsdp_ext: {type(module).__name__} is in FSDP2 groups with different param_dtype; its output "
+            "cast would depend on the group."
+        )
+    module.__dict__[_BOUNDARY_ATTR] = (compute_dtype, output_dtype)
+    to_compute, to_output = _compat.floating_tensor_cast(compute_dtype), _compat.floating_tensor_cast(output_dtype)
+
+    def cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return to_compute(args), to_compute(kwargs)
+
+    def cast_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
+        return to_output(output)
+
+    module.register_forward_pre_hook(cast_inputs, with_kwargs=True)
+    module.register_forward_hook(cast_outputs)
