@@ -143,7 +143,7 @@ class Plan:
     (``install()`` re-binds its FSDP hooks, ``uninstall()`` restores them), so that
     they count the same objects at the same addresses: models built one after the
     other differ by about 0.7 % per step in one process (allocator state, address-keyed
-    hashing), twice what the plugin adds.
+    hashing), twice what the plugin adds. Sharing the model was not enough (module note).
     """
 
     def __init__(self, configs: list[dict], world: int, steps: int) -> None:
