@@ -66,5 +66,6 @@ class TestTools(TestCase):
         # Note: no bound on the added count yet: within one callgrind process the counts do not repeat
         # (A/A about 250k per step on 2.13.0), see docs/performance.md.
 
+
 if __name__ == "__main__":
     run_tests()
