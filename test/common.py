@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import unittest
+import unittest.mock
 from datetime import timedelta
 from typing import Iterator
 
@@ -100,6 +101,56 @@ def plugin(enabled: bool, **install_kwargs) -> Iterator[None]:
         torch_fsdp_ext.uninstall()
         if before:
             torch_fsdp_ext.install(before)
+
+
+class CountingStore:
+    """A process group's store that records what the plugin asks of it: calls, payload bytes, comparisons."""
+
+    def __init__(self, store, traffic: "StoreTraffic") -> None:
+        self._store, self._traffic = store, traffic
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def recorded(*args, **kwargs):
+            result = attr(*args, **kwargs)
+            self._traffic.record(name, args, result)
+            return result
+
+        return recorded
+
+
+class StoreTraffic:
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.bytes = 0  # keys and values sent, values received
+        self.keys: set[str] = set()
+        self.comparisons = 0
+
+    def record(self, name: str, args: tuple, result) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        for value in (*args, result):
+            if isinstance(value, (str, bytes)):
+                self.bytes += len(value)
+            elif isinstance(value, list):
+                self.bytes += sum(len(key) for key in value)
+        keys = args[0] if name in ("wait", "check") else [args[0]]
+        self.keys.update(keys)
+        if name == "add" and args[0].endswith("/round") and args[1] == 1:
+            self.comparisons += 1
+
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+@contextlib.contextmanager
+def counting_store_calls():
+    traffic = StoreTraffic()
+    original = _compat.process_group_store
+    with unittest.mock.patch.object(_compat, "process_group_store", lambda pg: CountingStore(original(pg), traffic)):
+        yield traffic
 
 
 def error_text(exc: BaseException) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import textwrap
 import types
 
@@ -12,6 +14,8 @@ from torch.utils.checkpoint import checkpoint
 import torch_fsdp_ext
 from torch_fsdp_ext import _compat
 from torch_fsdp_ext._patching import PatchSet
+
+from torch_fsdp_ext import __main__ as cli, run as launcher
 
 from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, MixedPrecisionPolicy, fully_shard, run_python
 
@@ -87,6 +91,45 @@ class TestInstallUninstall(TestCase):
         report = torch_fsdp_ext.status().fixes
         self.assertEqual(report["dtype"].needed, HAS_DTYPE_BUG)
         self.assertEqual(report["recompute"].needed, True)
+
+
+class TestReadableState(TestCase):
+    def test_status_is_a_short_table(self):
+        report = torch_fsdp_ext.status()
+        lines = str(report).splitlines()
+        self.assertEqual(lines[0], f"torch_fsdp_ext on torch {torch.__version__}")
+        self.assertEqual(lines[1], "fix        needed  active  strategy  wrapped torch methods")
+        dtype, recompute = report.fixes["dtype"], report.fixes["recompute"]
+        needed = "yes" if HAS_DTYPE_BUG else "no"
+        active = "yes" if dtype.active else "no"
+        self.assertRegex(lines[2], rf"^dtype +{needed} +{active} +{dtype.details['strategy']} +{len(dtype.wraps)}$")
+        recompute_needed = "yes" if HAS_RECOMPUTE_CAST_BUG else "partly"  # torch >= 2.13 replays the input cast
+        self.assertRegex(lines[3], rf"^recompute +{recompute_needed} +yes +- +{len(recompute.wraps)}$")
+        self.assertIn(f"dtype: {dtype.reason}", lines)
+        self.assertLess(len(str(report)), 800)
+
+    def test_command_line_help_status_and_launcher_usage(self):
+        help_text = io.StringIO()
+        with contextlib.redirect_stdout(help_text), self.assertRaises(SystemExit):
+            cli.main(["--help"])
+        for command in ("doctor ", "status ", "-m torch_fsdp_ext.run train.py"):
+            self.assertIn(command, help_text.getvalue())
+        self.assertNotIn("``", help_text.getvalue())
+        usage = io.StringIO()
+        with contextlib.redirect_stderr(usage), self.assertRaises(SystemExit) as exited:
+            launcher.main([])
+        self.assertEqual(exited.exception.code, 2)
+        self.assertExpectedInline(
+            usage.getvalue(),
+            """\
+usage: python -m torch_fsdp_ext.run [--dtype-strategy STRATEGY] [--compute-in-loaded-dtype MODULES] (SCRIPT | -m MODULE) [ARGS ...]
+python -m torch_fsdp_ext.run: error: no script to run: give a script path, or -m and a module name
+""",
+        )
+        # The installed entry point prints what status() says in a fresh interpreter.
+        result = run_python("import sys; from torch_fsdp_ext.__main__ import main; sys.exit(main(['status']))")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(result.stdout.splitlines()[1:4], str(torch_fsdp_ext.status()).splitlines()[1:4])
 
 
 class TestPatchSet(TestCase):

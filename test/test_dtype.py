@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import unittest
 import warnings
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -13,6 +14,7 @@ from torch.testing._internal.common_utils import run_tests
 import torch_fsdp_ext
 from torch_fsdp_ext import MixedParamDtypeError, _compat
 from torch_fsdp_ext._dtype_plan import cast_exclusion_reason
+from torch_fsdp_ext._dtype_strategies import UPCAST_COST
 
 from common import (
     CPUOffloadPolicy,
@@ -153,6 +155,31 @@ class TestIdentityAndLateChanges(FSDPExtTestCase):
             after = full_params(model)
             self.assertFalse(torch.equal(before["layers.1.wq.weight"], after["layers.1.wq.weight"]))
 
+    @unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes")
+    @plugin_specific
+    def test_model_whose_first_forward_failed_asks_to_be_rebuilt(self):
+        tokens = batch(self.rank)
+        with plugin(False):
+            model = shard_model(seed_000_model(), mp_policy=MP)
+            with self.assertRaises(AssertionError):
+                model(tokens)
+            # Plain torch: lazy init never runs again, and the half set-up groups fail deep inside FSDP.
+            with self.assertRaises(AttributeError):
+                lm_loss(model(tokens), tokens).backward()
+            hooks_before = len(model._forward_pre_hooks)
+            reference = lm_loss(shard_model(seed_000_model().float(), mp_policy=MP)(tokens), tokens)
+        with plugin(True):
+            with self.assertRaises(RuntimeError) as caught:
+                model(tokens)
+            rebuilt = shard_model(seed_000_model(), mp_policy=MP)
+            self.assertEqual(lm_loss(rebuilt(tokens), tokens), reference, atol=0, rtol=0)
+            torch_fsdp_ext.uninstall()
+            self.assertEqual(len(model._forward_pre_hooks), hooks_before)  # uninstall removed the refusal
+        self.assertExpectedInline(
+            str(caught.exception),
+            """torch_fsdp_ext: the first forward of this FSDP2 model (root module FSDPTinyLlama) failed during FSDP's lazy initialization, which left param group(s) '<root>', 'layers.0', 'layers.1' half set up, and FSDP2 never redoes that setup on the same model. Build the model again and call fully_shard on it (with torch_fsdp_ext installed first) before the next forward.""",
+        )
+
     def test_load_state_dict_assign_with_bf16_tensors(self):
         with plugin(True):
             model = shard_model(seed_000_model().float(), mp_policy=MP)
@@ -286,13 +313,28 @@ Fix: install the plugin with dtype_strategy='upcast' to keep fp32 master weights
         self.assertIn("MixedPrecisionPolicy(param_dtype=torch.bfloat16)", messages[0])
 
     @plugin_specific
-    def test_upcast_is_logged_with_fqns_and_bytes(self):
-        with plugin(True), self.assertLogs("torch_fsdp_ext", level=logging.INFO) as logs:
-            model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), RMSNorm(4))
-            fully_shard(model, mp_policy=MP)
-        # 20 bf16 elements gain 2 bytes each before sharding.
-        self.assertIn("upcast 2 trainable parameter(s)", logs.output[0])
-        self.assertIn("+40 bytes before sharding", logs.output[0])
+    def test_upcast_cost_is_one_warning_on_rank_0_and_each_group_at_info(self):
+        with plugin(True), mock.patch.multiple(UPCAST_COST, params=0, bytes=0, _warned=False):
+            with self.assertLogs("torch_fsdp_ext", level=logging.INFO) as logs:
+                for _ in range(2):
+                    model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), RMSNorm(4))
+                    fully_shard(model, mp_policy=MP)
+            report = str(torch_fsdp_ext.status())
+        info = [r.getMessage() for r in logs.records if r.levelno == logging.INFO]
+        warned = [r.getMessage() for r in logs.records if r.levelno == logging.WARNING]
+        # Per group: 20 bf16 elements gain 2 bytes each before sharding.
+        self.assertEqual(len(info), 2)
+        self.assertIn("upcast 2 trainable parameter(s)", info[0])
+        self.assertIn("+40 bytes before sharding", info[0])
+        # Once per process, on rank 0 only: this rank's shard holds 10 of the 20 elements.
+        if self.rank == 0:
+            self.assertExpectedInline(
+                "\n".join(warned),
+                """torch_fsdp_ext: dtype_strategy='upcast' turned 2 trainable parameter(s) of FSDP2 group Sequential into float32 master weights: +20 bytes on this rank, about 4x that with their gradients and Adam state. Other mixed groups are upcast too (each logged at INFO on the 'torch_fsdp_ext' logger; totals in torch_fsdp_ext.status()). To keep every parameter in its loaded dtype instead: TORCH_FSDP_EXT_DTYPE_STRATEGY=preserve or torch_fsdp_ext.install(dtype_strategy='preserve').""",
+            )
+        else:
+            self.assertEqual(warned, [])
+        self.assertIn("upcast so far in this process: 4 parameter(s), +40 bytes of fp32 master weights on this rank", report)
 
     @plugin_specific
     def test_releases_whose_check_counts_frozen_params(self):

@@ -25,7 +25,7 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
-from torch_fsdp_ext import MixedParamDtypeError, _compat, _env
+from torch_fsdp_ext import MixedParamDtypeError, _env
 from torch_fsdp_ext._rank_consistency import RankCheckTimeoutError
 
 from common import (
@@ -34,6 +34,7 @@ from common import (
     MixedPrecisionPolicy,
     RMSNorm,
     batch,
+    counting_store_calls,
     full_grads,
     full_params,
     fully_shard,
@@ -81,27 +82,6 @@ def counting_collectives():
         yield counts
 
 
-class CountingStore:
-    """A process group's store that counts what the plugin asks of it."""
-
-    def __init__(self, store, counts: dict) -> None:
-        self._store, self._counts = store, counts
-
-    def __getattr__(self, name):
-        attr = getattr(self._store, name)
-        if callable(attr):
-            self._counts[name] = self._counts.get(name, 0) + 1
-        return attr
-
-
-@contextlib.contextmanager
-def counting_store_calls():
-    counts: dict[str, int] = {}
-    original = _compat.process_group_store
-    with mock.patch.object(_compat, "process_group_store", lambda pg: CountingStore(original(pg), counts)):
-        yield counts
-
-
 def train_steps(model: nn.Module, optimizer, rank: int, steps: int, *, checkpointed: bool = False) -> list[float]:
     losses = []
     for step in range(steps):
@@ -140,17 +120,16 @@ class TestRankSymmetricCommunication(FSDPExtTestCase):
             with plugin(plugin_on), counting_store_calls() as store_calls:
                 model = mixed_model(plugin_on)
                 train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), self.rank, steps=1)
-                first_forward = dict(store_calls)
+                first_forward = store_calls.total()
                 modules = [model, *model.layers]
                 with counting_collectives() as collectives:
                     for _ in range(200):
                         for module in modules:
                             module.unshard()
                             module.reshard()
-                results[plugin_on] = (dict(collectives), sum(store_calls.values()) - sum(first_forward.values()))
+                results[plugin_on] = (dict(collectives), store_calls.total() - first_forward)
                 if plugin_on:
-                    # The one comparison, at the first forward: one key set, the peer's awaited and read.
-                    self.assertEqual(first_forward, {"set": 1, "wait": 1, "get": 1})
+                    self.assertEqual(store_calls.comparisons, 1)  # the one comparison, at the first forward
         self.assertEqual(fsdp_all_gathers(results[False][0]), 600)  # FSDP's own all-gathers
         self.assertEqual(results[True], (results[False][0], 0))
 
@@ -184,15 +163,15 @@ class TestRankSymmetricCommunication(FSDPExtTestCase):
                 model = mixed_model(plugin_on)
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
                 losses = train_steps(model, optimizer, self.rank, steps=1)
-                sets_after_first_forward = store_calls.get("set", 0)
+                comparisons_after_first_forward = store_calls.comparisons
                 model.layers[0].to(torch.bfloat16)
                 with counting_collectives() as collectives:
                     model.layers[0].unshard()  # FSDP re-reads the dtypes here; the ranks compare at the next forward
                     model.layers[0].reshard()
                 self.assertEqual((sum(collectives.values()), fsdp_all_gathers(collectives)), (1, 1))  # FSDP's own
-                self.assertEqual(store_calls.get("set", 0), sets_after_first_forward)
+                self.assertEqual(store_calls.comparisons, comparisons_after_first_forward)
                 losses += train_steps(model, optimizer, self.rank, steps=2)
-                results[plugin_on] = losses, store_calls.get("set", 0) - sets_after_first_forward
+                results[plugin_on] = losses, store_calls.comparisons - comparisons_after_first_forward
         self.assertEqual(results[True], (results[False][0], 1))  # one comparison, at the next forward
 
     @needs_dtype_fix
@@ -207,7 +186,7 @@ class TestRankSymmetricCommunication(FSDPExtTestCase):
                 second = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), RMSNorm(4))
                 fully_shard(second, mp_policy=MP)
                 second(torch.randn(2, 4)).sum().backward()  # compared with the peer's second model, not its first
-        self.assertEqual(store_calls["set"], 2)
+        self.assertEqual(store_calls.comparisons, 2)
         self.assertEqual(second[0].weight.dtype, torch.float32)
 
     @plugin_specific
@@ -514,9 +493,25 @@ class TestSettings(TestCase):
     def test_strategy_is_validated_whatever_fixes_are_named(self):
         before = active_fixes(), dtype_strategy()
         for fixes in (["recompute"], ["dtype"], None):
-            with self.assertRaisesRegex(ValueError, r"dtype_strategy must be one of \("):
+            with self.assertRaisesRegex(ValueError, "dtype_strategy must be one of upcast, preserve, error"):
                 torch_fsdp_ext.install(fixes, dtype_strategy="bogus")
         self.assertEqual((active_fixes(), dtype_strategy()), before)
+
+    def test_argument_and_environment_parse_alike(self):
+        for raw in (" Preserve ", "PRESERVE", "error"):
+            torch_fsdp_ext.install(dtype_strategy=raw)
+            self.assertEqual(dtype_strategy(), raw.strip().lower())
+            with mock.patch.dict(os.environ, {"TORCH_FSDP_EXT_DTYPE_STRATEGY": raw}):
+                self.assertEqual(_env.choice("TORCH_FSDP_EXT_DTYPE_STRATEGY", torch_fsdp_ext.STRATEGIES),
+                                 raw.strip().lower())
+        for raw in ("preserv", "down cast"):
+            with mock.patch.dict(os.environ, {"TORCH_FSDP_EXT_DTYPE_STRATEGY": raw}):
+                with self.assertRaisesRegex(ValueError, "TORCH_FSDP_EXT_DTYPE_STRATEGY must be one of upcast, "):
+                    _env.choice("TORCH_FSDP_EXT_DTYPE_STRATEGY", torch_fsdp_ext.STRATEGIES)
+        with self.assertRaises(ValueError) as raised:
+            torch_fsdp_ext.install("preserve")
+        self.assertExpectedInline(str(raised.exception), """\
+torch_fsdp_ext: unknown fix(es) ['preserve']; choose from ('dtype', 'recompute'); 'preserve' is a dtype strategy: install(dtype_strategy='preserve')""")
 
     def test_switch_parsing(self):
         cases = {"1": True, "TRUE": True, " 1": True, "on": True, "Yes ": True, "0": False, "off": False,
@@ -548,10 +543,14 @@ class TestSettingsAtImport(TestCase):
         self.assertEqual(out, "[] upcast")
         out, err = self.run_import({"TORCH_FSDP_EXT_DTYPE_STRATEGY": " Error "})
         self.assertEqual((out, "Warning" in err), (f"{needed} error", False))
-        out, err = self.run_import({"TORCH_FSDP_EXT_DTYPE_STRATEGY": "eror"})
-        self.assertEqual(out, f"{needed} upcast")  # ignored, everything installed with the default
-        allowed = ", ".join(torch_fsdp_ext.STRATEGIES)
-        self.assertIn(f"ignoring TORCH_FSDP_EXT_DTYPE_STRATEGY='eror': expected one of {allowed}", err)
+        # A strategy that cannot be honoured stops the import instead of training with the default.
+        result = run_python(self.REPORT, env={"TORCH_FSDP_EXT_DTYPE_STRATEGY": "preserv"})
+        self.assertNotEqual(result.returncode, 0)
+        self.assertEqual(
+            result.stderr.strip().splitlines()[-1],
+            "ValueError: torch_fsdp_ext: TORCH_FSDP_EXT_DTYPE_STRATEGY must be one of upcast, preserve, error "
+            "(any case), got 'preserv'",
+        )
         code = "import torch_fsdp_ext; torch_fsdp_ext.install(dtype_strategy='upcast'); " + self.REPORT
         out, _ = self.run_import({"TORCH_FSDP_EXT_DTYPE_STRATEGY": "error"}, code)
         self.assertEqual(out, f"{needed} upcast")  # an explicit argument wins

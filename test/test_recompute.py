@@ -349,6 +349,8 @@ class TestReplayMechanics(RecomputeTestCase):
             self.assertEqual([o for o in gc.get_objects() if type(o).__name__ == "_CheckpointFrame"], [])
 
 
+# Plugin-specific: the block has dropout, so upstream's replay of the move (PR 2) raises instead (its RNG check).
+@plugin_specific
 @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA: the root moves CPU inputs only to an accelerator")
 class TestRootDeviceMove(RecomputeTestCase):
     WORLD_SIZE = 1

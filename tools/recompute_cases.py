@@ -91,7 +91,7 @@ def sac_context():
 CASES = {
     "1 checkpoint(fsdp_module)": (lambda c: shard(Block(), BF16), lambda m, x, c: non_reentrant(m, x) if c else m(x), False),
     "1 same, under autocast": (lambda c: shard(Block(), BF16), lambda m, x, c: non_reentrant(m, x) if c else m(x), True),
-    # No dropout: checkpoint does not restore the CUDA RNG for CPU inputs (README, Limitations).
+    # No dropout: checkpoint does not restore the CUDA RNG for CPU inputs (docs/how-it-works.md, "Recompute and RNG state").
     "2 root, CPU inputs": (lambda c: shard(Block(dropout=0.0), BF16), lambda m, x, c: non_reentrant(m, x.cpu()) if c else m(x.cpu()), True),
     "2 kwargs-only inputs": (
         lambda c: shard(KwargsBlock(), BF16),

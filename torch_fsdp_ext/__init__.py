@@ -2,7 +2,8 @@
 
 ``import torch_fsdp_ext`` installs every fix this torch release needs; set
 ``TORCH_FSDP_EXT_DISABLE=1`` to import without installing, and
-``TORCH_FSDP_EXT_DTYPE_STRATEGY`` to choose the dtype strategy. See README.md.
+``TORCH_FSDP_EXT_DTYPE_STRATEGY`` to choose the dtype strategy (a value that is
+not a strategy stops the import with a ``ValueError``). See README.md.
 """
 
 import warnings as _warnings
@@ -32,6 +33,8 @@ __all__ = [
 __version__ = "0.1.0"
 
 _compute_dtype.set_default_selectors(_compute_dtype.selectors_from_env())
+# Note: raises on a strategy it cannot honour; training with the default instead would
+# silently double the training state a user chose "preserve" to avoid.
 _install.set_default_dtype_strategy(_env.choice("TORCH_FSDP_EXT_DTYPE_STRATEGY", STRATEGIES))
 if not _env.switch("TORCH_FSDP_EXT_DISABLE"):
     try:

@@ -1,23 +1,42 @@
-"""Command line: ``python -m torch_fsdp_ext doctor``."""
+"""Command line of torch_fsdp_ext (also installed as the ``torch-fsdp-ext`` command)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+DESCRIPTION = """\
+torch_fsdp_ext repairs two FSDP2 (fully_shard) mixed-precision failures.
+
+To run a training script with the plugin on, without editing it, use the launcher:
+  torchrun --nproc-per-node 8 -m torch_fsdp_ext.run train.py ARGS...
+  python -m torch_fsdp_ext.run [--dtype-strategy upcast|preserve|error] train.py ARGS...
+"""
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torch_fsdp_ext", description=__doc__)
-    commands = parser.add_subparsers(dest="command")
-    doctor_parser = commands.add_parser("doctor", help="report what this torch needs and self-test the fixes")
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_fsdp_ext", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.epilog = "Set TORCH_FSDP_EXT_DTYPE_STRATEGY=preserve to keep each parameter's loaded dtype."
+    commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    doctor_parser = commands.add_parser(
+        "doctor", help="status plus a live 2-rank self-test of each fix"
+    )
     doctor_parser.add_argument("--world-size", type=int, default=2, help="ranks for the self-test (default 2)")
+    commands.add_parser("status", help="what this torch needs and what is active (no self-test)")
     args = parser.parse_args(argv)
-    if args.command != "doctor":
-        parser.print_help()
-        return 2
-    from ._doctor import doctor
+    if args.command == "status":
+        import torch_fsdp_ext
 
-    return doctor(world_size=args.world_size)
+        print(torch_fsdp_ext.status())
+        return 0
+    if args.command == "doctor":
+        from ._doctor import doctor
+
+        return doctor(world_size=args.world_size)
+    parser.print_help()
+    return 2
 
 
 if __name__ == "__main__":

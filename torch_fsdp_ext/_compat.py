@@ -196,6 +196,32 @@ def fsdp_states() -> list[Any]:
 is_root_flag: Callable[[Any], bool | None] = operator.attrgetter("_is_root")
 
 
+def half_initialised_roots() -> list[tuple[list[Any], list[str]]]:
+    """The modules of root states whose first lazy init raised part-way, with the groups it left unfinished.
+
+    Note: ``FSDPState._lazy_init`` marks the state as root before it sets up the
+    param groups (``FSDPParamGroup.lazy_init``) and never runs again, so after an
+    error there (FSDP's uniform-dtype assertion) the groups stay without their
+    mixed-precision attributes and the next forward or backward fails with an
+    ``AttributeError``. A finished group has ``_reduce_dtype``, set last by
+    ``_init_mp_dtypes`` on every release.
+    """
+    roots = []
+    for state in fsdp_states():
+        if is_root_flag(state) is not True:
+            continue
+        all_states = getattr(getattr(state, "_state_ctx", None), "all_states", [])
+        unfinished = [
+            group_name(group)
+            for member in all_states
+            for group in param_groups_of(member)
+            if "_reduce_dtype" not in group.__dict__
+        ]
+        if unfinished:
+            roots.append((list(state._modules), unfinished))
+    return roots
+
+
 def process_group_store(pg: Any) -> Any:
     """A c10d ``Store`` whose keys are this process group's own, or None.
 
@@ -212,6 +238,20 @@ def process_group_store(pg: Any) -> Any:
     except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError):
         return None
     return store
+
+
+def process_group_timeout(pg: Any) -> Any:
+    """The timeout the process group's own collectives wait (``init_process_group(timeout=...)``), or None.
+
+    Note: read from each backend's options (``ProcessGroupGloo/NCCL.options._timeout``,
+    the longest where a group has several backends); the group's store may have a
+    shorter one of its own (``TCPStore(timeout=...)``).
+    """
+    try:
+        timeouts = [pg._get_backend(device).options._timeout for device in pg._device_types]
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+    return max(timeouts, default=None)
 
 
 def param_groups_of(state: Any) -> list[Any]:
@@ -488,6 +528,49 @@ def move_inputs(args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple,
     internals = load_internals()
     args_tuple, kwargs_tuple = internals.to_kwargs(args, kwargs, device, False)
     return args_tuple[0], kwargs_tuple[0]
+
+
+# Note: the device RNG seam. The recompute replay reads and sets an accelerator's RNG
+# state only through ``device_rng_state`` / ``set_device_rng_state``, which ask
+# ``device_rng_module`` for the device's module (``torch.cuda`` for a CUDA device).
+# Tests without an accelerator point ``device_rng_module`` at a stand-in module with
+# its own generator (test/test_recompute_rng.py).
+def device_rng_module(device: torch.device) -> Any:
+    """The module whose ``get_rng_state(device)`` / ``set_rng_state(state, device)`` serve ``device``."""
+    return torch.get_device_module(device)
+
+
+def device_rng_state(device: torch.device) -> torch.Tensor | None:
+    """``device``'s RNG state; None where its module has no RNG functions (a backend without them)."""
+    get_rng_state = getattr(device_rng_module(device), "get_rng_state", None)
+    return get_rng_state(device) if get_rng_state is not None else None
+
+
+def set_device_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    device_rng_module(device).set_rng_state(state, device)
+
+
+def checkpoint_preserves_rng_state(recompute_fn: Callable) -> bool:
+    """The ``preserve_rng_state`` of the non-reentrant checkpoint whose frame holds ``recompute_fn``.
+
+    Note: checkpoint keeps the flag only in the closure of the recompute function
+    it gives its ``_CheckpointFrame`` (2.5 to 2.15). Where the closure has no such
+    name this answers True: restoring the forward's RNG state keeps the
+    recomputation equal to the forward, the conservative choice.
+    """
+    code = getattr(recompute_fn, "__code__", None)
+    try:
+        cell = recompute_fn.__closure__[code.co_freevars.index("preserve_rng_state")]
+        return bool(cell.cell_contents)
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return True
+
+
+def has_tensors_off(device: torch.device, value: Any) -> bool:
+    """Would the root's input move change ``value`` (a tensor in it is not on ``device``)?"""
+    off = []
+    load_internals().apply_to_tensors(lambda tensor: off.append(tensor.device != device) or tensor, value)
+    return any(off)
 
 
 def cast_floating_tensors(dtype: torch.dtype, value: Any) -> Any:

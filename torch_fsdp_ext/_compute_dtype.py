@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -68,8 +69,9 @@ else:
         installed (the default on import).
         """
 
+        # Note: keyword-only as in torch 2.15 where dataclasses support it (Python >= 3.10).
         param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = field(
-            default=None, kw_only=True
+            default=None, **({"kw_only": True} if sys.version_info >= (3, 10) else {})
         )
 
         def _resolve_for_param(self, param: nn.Parameter) -> "MixedPrecisionPolicy":

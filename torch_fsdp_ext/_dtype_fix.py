@@ -24,13 +24,15 @@ parameter receives its gradient in its own dtype.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any, Callable
 
 import torch
 
 from . import _compat, _compute_dtype
-from ._dtype_plan import MixedParamDtypeError, ParamEntry, param_names, plan_group_dtypes
-from ._dtype_strategies import make_strategy
+from ._dtype_plan import MixedParamDtypeError, ParamEntry, format_dtype, param_names, plan_group_dtypes
+from ._dtype_strategies import UPCAST_COST, make_strategy
 from ._patching import PatchSet, wraps
 from ._rank_consistency import RankConsistency
 
@@ -47,9 +49,13 @@ class DtypeFix:
         self.active = False
         self.counts_frozen = False
         self.ranks = RankConsistency(internals, MixedParamDtypeError)
+        self._patches: PatchSet | None = None
+        self._refused: weakref.WeakSet = weakref.WeakSet()  # root modules whose forward now raises
 
     def set_strategy(self, name: str) -> None:
         self.strategy = make_strategy(name)
+        if self.active:
+            self.refuse_half_initialised_models(self._patches)
 
     def needed(self) -> tuple[bool, str]:
         rejects = _compat.probe_rejects_mixed_trainable_dtypes()
@@ -71,7 +77,29 @@ class DtypeFix:
         if not _compat.probe_reduce_casts_grads_per_param():
             _compat.wrap_reduce_for_mixed_groups(patches)
         self.ranks.install(patches)
+        self.refuse_half_initialised_models(patches)
+        self._patches = patches
         self.active = True
+
+    def refuse_half_initialised_models(self, patches: PatchSet) -> None:
+        """A model whose first forward failed in FSDP's lazy init (before this fix, or under
+        ``dtype_strategy="error"``) cannot be repaired in place: its next forward says so
+        instead of failing with an ``AttributeError`` deep inside FSDP."""
+        for modules, unfinished in _compat.half_initialised_roots():
+            if any(module in self._refused for module in modules):
+                continue
+            roots = ", ".join(type(module).__name__ for module in modules)
+            message = (
+                f"torch_fsdp_ext: the first forward of this FSDP2 model (root module {roots}) failed during FSDP's "
+                f"lazy initialization, which left param group(s) {', '.join(map(repr, unfinished))} half set up, "
+                "and FSDP2 never redoes that setup on the same model. Build the model again and call fully_shard "
+                "on it (with torch_fsdp_ext installed first) before the next forward."
+            )
+            for module in modules:
+                # Note: torch's public hook API, ahead of FSDP's own pre-forward hook.
+                hook = functools.partial(_refuse_forward, message)
+                patches.add_handle(module.register_forward_pre_hook(hook, prepend=True))
+                self._refused.add(module)
 
     # -- hook 1: before sharding ------------------------------------------------
 
@@ -88,19 +116,32 @@ class DtypeFix:
             overrides = _compute_dtype.resolve_before_sharding(params, modules, mp_policy)
             if overrides is not None:
                 bound.arguments["mp_policy"] = overrides.policy
-            if fix.strategy.name == "upcast":
-                fix.before_sharding(params, modules, mp_policy)
+            casts = fix.before_sharding(params, modules, mp_policy) if fix.strategy.name == "upcast" else []
             original(*bound.args, **bound.kwargs)
             if overrides is not None:
                 _compute_dtype.after_sharding(group, overrides)
+            if casts:
+                fix.note_upcast_shards(group, casts, ", ".join(type(m).__name__ for m in modules))
 
         return __init__
 
-    def before_sharding(self, params: list[torch.nn.Parameter], modules: tuple, mp_policy: Any) -> None:
+    def before_sharding(self, params: list[torch.nn.Parameter], modules: tuple, mp_policy: Any) -> list:
+        """The strategy's cast before sharding: [(index in params, bytes added per element)]."""
         names = param_names(modules)
+        index = {id(p): i for i, p in enumerate(params)}
         plan = plan_group_dtypes([ParamEntry(names.get(id(p), f"<param {i}>"), p, p) for i, p in enumerate(params)])
         group_name = ", ".join(type(m).__name__ for m in modules)
-        self.strategy.before_sharding(plan, group_name, mp_policy)
+        casts = self.strategy.before_sharding(plan, group_name, mp_policy)
+        return [(index[id(entry.handle)], per_element) for entry, per_element in casts]
+
+    @staticmethod
+    def note_upcast_shards(group: Any, casts: list[tuple[int, int]], group_name: str) -> None:
+        """Count what the upcast costs on this rank, now that the group is sharded."""
+        # Note: FSDPParamGroup keeps its FSDPParams in the order of the params it was given.
+        fsdp_params = group.fsdp_params
+        added = sum(_compat.local_shard_numel(fsdp_params[i]) * per_element for i, per_element in casts)
+        widest = format_dtype(fsdp_params[casts[0][0]].sharded_param.dtype)
+        UPCAST_COST.add(group_name, len(casts), added, widest)
 
     # -- hook 2: right before the uniform-dtype check -----------------------------
 
@@ -153,3 +194,7 @@ class DtypeFix:
             group.fsdp_params = everything
         for p in everything:
             p.init_dtype_attrs(_compat.param_mp_policy(group, p))
+
+
+def _refuse_forward(message: str, module: torch.nn.Module, args: tuple) -> None:
+    raise RuntimeError(message)

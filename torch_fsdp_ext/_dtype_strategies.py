@@ -17,11 +17,14 @@ nothing and names every parameter.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from typing import Any
 
+import torch.distributed as dist
+
 from . import _compat
-from ._dtype_plan import GroupDtypePlan, MixedParamDtypeError, describe_mixed_dtypes, format_dtype
+from ._dtype_plan import GroupDtypePlan, MixedParamDtypeError, ParamEntry, describe_mixed_dtypes, format_dtype
 
 logger = logging.getLogger("torch_fsdp_ext")
 
@@ -31,18 +34,54 @@ _KEEP_APART_HINT = (
 )
 
 
+class UpcastCost:
+    """What ``upcast`` added in this process, so that its memory cost is never silent.
+
+    Note: the first upcast logs one WARNING (on rank 0 only: every rank upcasts the
+    same parameters), naming how to keep the loaded dtypes; each group is logged at
+    INFO. The totals are in ``status()``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.params = 0
+        self.bytes = 0  # of master weights on this rank's shards
+        self._warned = False
+
+    def add(self, group_name: str, params: int, added_bytes: int, widest: str) -> None:
+        with self._lock:
+            self.params += params
+            self.bytes += added_bytes
+            first, self._warned = not self._warned, True
+        if first and (not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0):
+            logger.warning(
+                "torch_fsdp_ext: dtype_strategy='upcast' turned %d trainable parameter(s) of FSDP2 group %s into "
+                "%s master weights: +%s bytes on this rank, about 4x that with their gradients and Adam state. "
+                "Other mixed groups are upcast too (each logged at INFO on the 'torch_fsdp_ext' logger; totals in "
+                "torch_fsdp_ext.status()). To keep every parameter in its loaded dtype instead: "
+                "TORCH_FSDP_EXT_DTYPE_STRATEGY=preserve or torch_fsdp_ext.install(dtype_strategy='preserve').",
+                params, group_name, widest, f"{added_bytes:,}",
+            )
+
+
+UPCAST_COST: UpcastCost = globals().get("UPCAST_COST") or UpcastCost()
+
+
 class UpcastStrategy:
     """fp32 master weights: the narrower trainable floating params are upcast to the group's widest dtype."""
 
     name = "upcast"
 
-    def before_sharding(self, plan: GroupDtypePlan, group_name: str, mp_policy: Any) -> None:
+    def before_sharding(self, plan: GroupDtypePlan, group_name: str, mp_policy: Any) -> list[tuple[ParamEntry, int]]:
+        """Upcast before sharding; returns each upcast entry with the bytes it adds per element."""
         if not plan.is_mixed or self._conflicts(plan):
-            return  # nothing to do, or an error that lazy init reports with full FQNs
+            return []  # nothing to do, or an error that lazy init reports with full FQNs
         added = plan.added_bytes(lambda p: p.tensor.numel())
         self._report(group_name, plan, mp_policy.param_dtype is None, f"{added} bytes before sharding")
-        for p in plan.narrower():
+        casts = [(p, plan.widest.itemsize - p.tensor.dtype.itemsize) for p in plan.narrower()]
+        for p, _ in casts:
             p.handle.data = p.handle.data.to(plan.widest)
+        return casts
 
     def at_lazy_init(self, group: Any, plan: GroupDtypePlan, group_name: str) -> bool:
         conflicts = self._conflicts(plan)
@@ -54,6 +93,7 @@ class UpcastStrategy:
         self._report(group_name, plan, computes_in_widest, f"{added} bytes on this rank's shards")
         for p in casts:
             _compat.change_sharded_param_dtype(p.handle, plan.widest)
+        UPCAST_COST.add(group_name, len(casts), added, format_dtype(plan.widest))
         return False
 
     @staticmethod
@@ -91,8 +131,8 @@ class PreserveStrategy:
 
     name = "preserve"
 
-    def before_sharding(self, plan: GroupDtypePlan, group_name: str, mp_policy: Any) -> None:
-        pass  # nothing is cast
+    def before_sharding(self, plan: GroupDtypePlan, group_name: str, mp_policy: Any) -> list:
+        return []  # nothing is cast
 
     def at_lazy_init(self, group: Any, plan: GroupDtypePlan, group_name: str) -> bool:
         if plan.keep_dtype:
@@ -117,8 +157,8 @@ class ErrorStrategy:
         "dtype before fully_shard (e.g. model.float()), or freeze them (requires_grad_(False))."
     )
 
-    def before_sharding(self, plan: GroupDtypePlan, group_name: str, mp_policy: Any) -> None:
-        pass
+    def before_sharding(self, plan: GroupDtypePlan, group_name: str, mp_policy: Any) -> list:
+        return []
 
     def at_lazy_init(self, group: Any, plan: GroupDtypePlan, group_name: str) -> bool:
         why_not = {id(p): f"must not be cast: {why}" for p, why in plan.keep_dtype}

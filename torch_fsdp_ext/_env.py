@@ -1,7 +1,10 @@
-"""Environment variables read at import: parsed leniently, and a bad value never breaks the import.
+"""Environment variables read at import. Case and surrounding whitespace never matter.
 
-- ``TORCH_FSDP_EXT_DISABLE``: import without installing anything;
+- ``TORCH_FSDP_EXT_DISABLE``: import without installing anything (an unknown value warns
+  and counts as unset: the fixes stay on);
 - ``TORCH_FSDP_EXT_DTYPE_STRATEGY``: the dtype strategy used when ``install()`` names none.
+  An unknown value raises: a strategy the user asked for is never silently replaced by
+  the default.
 """
 
 from __future__ import annotations
@@ -34,21 +37,27 @@ def switch(name: str) -> bool:
     return False
 
 
-def choice(name: str, allowed: Iterable[str]) -> str | None:
-    """One of ``allowed`` (case and whitespace do not matter), or None when unset, empty or unknown.
+def parse_choice(value: object, allowed: Iterable[str], what: str) -> str:
+    """``value`` as one of ``allowed``: case and surrounding whitespace do not matter.
 
-    An unknown value warns, naming the allowed ones, and counts as unset.
+    Anything else raises ``ValueError`` naming ``what`` and the allowed values. The
+    environment and the Python API parse their settings with this one function.
+    """
+    allowed = tuple(allowed)
+    name = value.strip().lower() if isinstance(value, str) else value
+    if name not in allowed:
+        raise ValueError(
+            f"torch_fsdp_ext: {what} must be one of {', '.join(allowed)} (any case), got {value!r}"
+        )
+    return name
+
+
+def choice(name: str, allowed: Iterable[str]) -> str | None:
+    """The variable as one of ``allowed`` (see ``parse_choice``), or None when unset or empty.
+
+    An unknown value raises ``ValueError`` naming the variable and the allowed values.
     """
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return None
-    allowed = tuple(allowed)
-    value = raw.strip().lower()
-    if value in allowed:
-        return value
-    warnings.warn(
-        f"torch_fsdp_ext: ignoring {name}={raw!r}: expected one of {', '.join(allowed)}",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-    return None
+    return parse_choice(raw, allowed, name)

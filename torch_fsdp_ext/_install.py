@@ -10,9 +10,9 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from . import _compat
+from . import _compat, _env
 from ._dtype_fix import DtypeFix
-from ._dtype_strategies import STRATEGIES
+from ._dtype_strategies import STRATEGIES, UPCAST_COST
 from ._patching import PatchSet
 from ._recompute import RecomputeReplay
 
@@ -46,6 +46,11 @@ class Status:
     missing: list[str]
     fixes: dict[str, FixStatus]
 
+    def __str__(self) -> str:
+        from ._report import status_text
+
+        return status_text(self)
+
 
 def _make_fix(name: str, internals: _compat.TorchInternals, dtype_strategy: str) -> Any:
     if name == "dtype":
@@ -59,13 +64,17 @@ def _check_names(fixes: Iterable[str] | None) -> tuple[str, ...]:
     names = (fixes,) if isinstance(fixes, str) else tuple(fixes)
     unknown = [n for n in names if n not in FIX_NAMES]
     if unknown:
-        raise ValueError(f"unknown fix(es) {unknown}; choose from {FIX_NAMES}")
+        strategies = [n for n in unknown if isinstance(n, str) and n.strip().lower() in STRATEGIES]
+        hint = f"; {strategies[0]!r} is a dtype strategy: install(dtype_strategy={strategies[0]!r})" if strategies else ""
+        raise ValueError(f"torch_fsdp_ext: unknown fix(es) {unknown}; choose from {FIX_NAMES}{hint}")
     return names
 
 
-def _check_strategy(dtype_strategy: str | None) -> None:
-    if dtype_strategy is not None and dtype_strategy not in STRATEGIES:
-        raise ValueError(f"dtype_strategy must be one of {STRATEGIES}, got {dtype_strategy!r}")
+def _parse_strategy(dtype_strategy: str | None) -> str | None:
+    """The strategy as named (any case, spaces ignored), or None to keep the current one."""
+    if dtype_strategy is None:
+        return None
+    return _env.parse_choice(dtype_strategy, STRATEGIES, "dtype_strategy")
 
 
 def _set_dtype_strategy(dtype_strategy: str) -> None:
@@ -77,8 +86,8 @@ def _set_dtype_strategy(dtype_strategy: str) -> None:
 
 def set_default_dtype_strategy(dtype_strategy: str | None) -> None:
     """The strategy for an ``install()`` that names none (from the environment at import); None: unchanged."""
+    dtype_strategy = _parse_strategy(dtype_strategy)
     if dtype_strategy is not None:
-        _check_strategy(dtype_strategy)
         with _lock:
             _set_dtype_strategy(dtype_strategy)
 
@@ -98,7 +107,7 @@ def _warn_unsupported(internals: _compat.TorchInternals) -> None:
 def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = None) -> list[str]:
     """Install the fixes this torch release needs (all by default); idempotent.
 
-    ``dtype_strategy`` (one of ``STRATEGIES``): ``"upcast"`` keeps fp32 master
+    ``dtype_strategy`` (one of ``STRATEGIES``, any case): ``"upcast"`` keeps fp32 master
     weights; ``"preserve"`` trains each parameter in its own dtype; ``"error"`` only
     replaces FSDP's assertion with an error naming each parameter. It is a setting
     of the plugin, kept for later installs and applied to an active dtype fix
@@ -107,7 +116,7 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = 
     Returns the names of the fixes active after the call.
     """
     names = _check_names(fixes)
-    _check_strategy(dtype_strategy)
+    dtype_strategy = _parse_strategy(dtype_strategy)
     with _lock:
         if dtype_strategy is not None:
             _set_dtype_strategy(dtype_strategy)
@@ -178,6 +187,7 @@ def status() -> Status:
         details: dict[str, Any] = {}
         if name == "dtype":
             details["strategy"] = fix.strategy.name
+            details["upcast"] = {"params": UPCAST_COST.params, "bytes": UPCAST_COST.bytes}
         else:
             details["replays"] = fix.replays()
             details["rebound_hooks"] = patches.rebound_hooks if patches is not None else 0

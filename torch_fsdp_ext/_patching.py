@@ -44,6 +44,7 @@ class PatchSet:
         self._attributes: list[_AttributePatch] = []
         self._hooks: list[_HookPatch] = []
         self._undo_first: list[Callable[[], None]] = []
+        self._handles: list[Any] = []
 
     def wrap(self, owner: Any, name: str, make_wrapper: Callable[[Any], Any], *, as_decorated: bool = False) -> None:
         """Replace ``owner.name`` with ``make_wrapper(current)``; ``current`` may be inherited.
@@ -72,6 +73,10 @@ class PatchSet:
         """Run ``undo`` first on ``restore()``: for what a fix changes after install (e.g. per instance)."""
         self._undo_first.append(undo)
 
+    def add_handle(self, handle: Any) -> None:
+        """A hook registered through torch's public API (``RemovableHandle``), removed by ``restore()``."""
+        self._handles.append(handle)
+
     @property
     def rebound_hooks(self) -> int:
         return len(self._hooks)
@@ -80,6 +85,9 @@ class PatchSet:
         for undo in reversed(self._undo_first):
             undo()
         self._undo_first.clear()
+        for handle in reversed(self._handles):
+            handle.remove()
+        self._handles.clear()
         for hook in reversed(self._hooks):
             # Only put the original back if nobody removed or replaced our hook since.
             if hook.hooks.get(hook.hook_id) is hook.replacement:

@@ -22,20 +22,28 @@ wrapper has nothing to do for it, so it sets torch's own method on that state
 directly. A layout queued for comparison takes those instance attributes away
 again, so the next root forward goes through the wrapper; so does uninstall.
 
-Note: how the ranks compare. Through the process group's c10d store (each rank
-sets one key, then waits for the others' keys), not with a collective. A rank
-that runs without the plugin (``TORCH_FSDP_EXT_DISABLE=1`` on one rank) never
-takes part: with a collective, the other ranks' plugin all-gather would be
-paired with FSDP's own all-gather on that rank and abort the process (gloo:
-``op.preamble.length <= op.nbytes``) or hang. With the store, the ranks that run
-the plugin time out after the store's timeout (the process group's timeout) with
-an error naming the ranks that did not answer; the others see what plain torch
-does when a peer stops (FSDP's own collective fails or times out).
+Note: how the ranks compare. Through the process group's c10d store, not with a
+collective. A rank that runs without the plugin (``TORCH_FSDP_EXT_DISABLE=1`` on
+one rank) never takes part: with a collective, the other ranks' plugin all-gather
+would be paired with FSDP's own all-gather on that rank and abort the process
+(gloo: ``op.preamble.length <= op.nbytes``) or hang. With the store, the ranks
+that run the plugin time out after the process group's timeout (what FSDP's own
+first collective would wait) with an error naming the ranks that did not answer;
+the others see what plain torch does when a peer stops.
+
+Note: what the store sees. The ranks agree when they all hold the same digest of
+their layouts, so each rank counts its digest (``add``) and the rank that
+completes the count posts the verdict: a fixed number of calls and bytes per rank,
+whatever the world size and the model (Note [Rank check protocol]). Only when the
+digests differ do the ranks post and read their whole layouts, so that every rank
+can name the parameters, dtypes and ranks that differ.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import threading
 import types
 import weakref
@@ -46,15 +54,24 @@ import torch.distributed as dist
 from . import _compat
 from ._patching import PatchSet, wraps
 
-_KEY_PREFIX = "torch_fsdp_ext/dtype_layout"
-
-# Note: comparisons made through each process group's store, per process. The
-# keys stay in the store, so a comparison's keys must never be reused: the count
-# outlives each install() (``installed()`` scopes, uninstall/install) and a
-# reload of this module, and every rank counts alike because every rank compares
-# at the same root forwards.
-_rounds: dict[Any, int] = globals().get("_rounds", {})
-_rounds_lock: threading.Lock = globals().get("_rounds_lock") or threading.Lock()
+# Note [Rank check protocol]. Keys live under the process group's own store,
+# below ``{_KEY_PREFIX}/{elastic attempt}/w{world size}/``:
+#   ``round``        one counter per process group, the only key that stays: every rank
+#                    adds 1 per comparison; comparison k holds the values k*world+1 ..
+#                    (k+1)*world, because no rank starts comparison k+1 before all
+#                    ranks added for k. So the ranks agree on k without a local count,
+#                    and a new group object, or a group re-created under the same name
+#                    on the same store, continues after its predecessor's comparisons.
+#   ``r{k}/d/{digest}``  how many ranks hold this layout digest
+#   ``r{k}/present``     the ranks that arrived (appended), read only to name the missing
+#   ``r{k}/count``       ranks that counted their digest (1..world), then ranks done (..2*world)
+#   ``r{k}/verdict``     set by the rank that completes the count: agree or differ
+#   ``r{k}/layout/{rank}`` only when the digests differ: each rank's whole layout
+# The rank that completes ``count`` to 2*world deletes the comparison's keys. The
+# elastic attempt (run id and restart count, the same on every rank of an attempt)
+# keeps a restarted job from counting with keys its failed attempt left mid-comparison.
+_KEY_PREFIX = "torch_fsdp_ext/rank_check"
+_AGREE, _DIFFER = "agree", "differ"
 
 
 class RankCheckTimeoutError(RuntimeError):
@@ -172,54 +189,123 @@ class RankConsistency:
                 self._compared[group] = layout
                 continue
             by_pg.setdefault(pg, []).append((group, layout))
-        posted = []
-        # Every rank posts all its layouts before it waits for any, so ranks that
-        # queued their groups in different orders cannot wait for each other.
+        comparisons = []
         for pg, entries in by_pg.items():
             store = _compat.process_group_store(pg)
             if store is None:
                 continue  # no store to compare through (not a c10d process group): nothing to compare with
-            with _rounds_lock:
-                round_index = _rounds.get(pg, 0)
-                _rounds[pg] = round_index + 1
-            prefix = f"{_KEY_PREFIX}/{round_index}/"
-            mine = json.dumps([(group_name(g), layout) for g, layout in entries])
-            store.set(prefix + str(dist.get_rank(pg)), mine)
-            posted.append((pg, store, prefix, entries, mine))
-        for pg, store, prefix, entries, mine in posted:
-            self._compare(pg, store, prefix, entries, mine)
+            comparisons.append(_Comparison.of(pg, store, entries))
+        # Every rank counts all its layouts before it waits for any verdict, so ranks
+        # that queued their groups in different orders cannot wait for each other.
+        for comparison in comparisons:
+            comparison.count()
+        for comparison in comparisons:
+            comparison.conclude(self.mismatch_error)
         for entries in by_pg.values():
             for group, layout in entries:
                 self._compared[group] = layout
 
-    def _compare(self, pg: Any, store: Any, prefix: str, entries: list, mine: str) -> None:
-        me, world = dist.get_rank(pg), dist.get_world_size(pg)
-        others = [r for r in range(world) if r != me]
-        names = ", ".join(repr(group_name(g)) for g, _ in entries)
+
+def _attempt() -> str:
+    """The elastic attempt this process belongs to; the same on every rank of it."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return "-" if restart is None else f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}.{restart}"
+
+
+class _Comparison:
+    """One comparison of one process group's layouts through its store (Note [Rank check protocol])."""
+
+    def __init__(self, store: Any, me: int, world: int, payload: str, names: str, timeout: Any,
+                 timeout_source: str, global_rank: Callable[[int], int] = int) -> None:
+        self.store, self.me, self.world = store, me, world
+        self.payload, self.names = payload, names
+        self.timeout, self.timeout_source, self.global_rank = timeout, timeout_source, global_rank
+        self.namespace = f"{_KEY_PREFIX}/{_attempt()}/w{world}/"
+        self.verdict: str | None = None
+
+    @classmethod
+    def of(cls, pg: Any, store: Any, entries: list[tuple[Any, tuple]]) -> _Comparison:
+        timeout = _compat.process_group_timeout(pg)
+        source = "the process group's timeout"
+        if timeout is None:
+            timeout, source = store.timeout, "the store's timeout; the process group's could not be read"
+        return cls(
+            store, dist.get_rank(pg), dist.get_world_size(pg),
+            json.dumps([(group_name(g), layout) for g, layout in entries]),
+            ", ".join(repr(group_name(g)) for g, _ in entries), timeout, source,
+            lambda r: dist.get_global_rank(pg, r),
+        )
+
+    def count(self) -> None:
+        store, world = self.store, self.world
+        arrival = store.add(self.namespace + "round", 1)
+        self.prefix = f"{self.namespace}r{(arrival - 1) // world}/"
+        self.digest_key = self.prefix + "d/" + _digest(self.payload)
+        store.add(self.digest_key, 1)
+        store.append(self.prefix + "present", f"{self.me},")
+        if store.add(self.prefix + "count", 1) == world:  # every rank's digest is counted
+            self.verdict = _AGREE if store.add(self.digest_key, 0) == world else _DIFFER
+            store.set(self.prefix + "verdict", self.verdict)
+
+    def conclude(self, mismatch_error: type[Exception]) -> None:
+        store = self.store
+        if self.verdict is None:
+            self._wait([self.prefix + "verdict"], self._missing_from_present)
+            self.verdict = store.get(self.prefix + "verdict").decode()
+        if self.verdict == _AGREE:
+            self._finish([self.digest_key])
+            return
+        # The digests differ: every rank reads every layout, to say on every rank what differs.
+        layout_keys = [f"{self.prefix}layout/{r}" for r in range(self.world)]
+        store.set(layout_keys[self.me], self.payload)
+        others = [r for r in range(self.world) if r != self.me]
+        self._wait([layout_keys[r] for r in others], lambda: [r for r in others if not store.check([layout_keys[r]])])
+        payloads = {r: store.get(layout_keys[r]).decode() for r in others}
+        payloads[self.me] = self.payload
+        digests = {self.prefix + "d/" + _digest(payload) for payload in payloads.values()}
+        self._finish([*digests, *layout_keys])
+        ranks = [self.global_rank(r) for r in range(self.world)]
+        raise mismatch_error(_describe(ranks, [json.loads(payloads[r]) for r in range(self.world)]))
+
+    def _wait(self, keys: list[str], missing: Callable[[], list[int]]) -> None:
         try:
-            store.wait([prefix + str(r) for r in others], store.timeout)
+            self.store.wait(keys, self.timeout)
         except Exception:  # noqa: BLE001 - each store type raises its own timeout error
-            missing = [dist.get_global_rank(pg, r) for r in others if not store.check([prefix + str(r)])]
+            absent = ", ".join(str(self.global_rank(r)) for r in missing())
             raise RankCheckTimeoutError(
-                f"torch_fsdp_ext: rank(s) {', '.join(map(str, missing))} did not report the parameter dtypes of "
-                f"FSDP2 group(s) {names} within {store.timeout.total_seconds():g} s (the process group's timeout). "
+                f"torch_fsdp_ext: rank(s) {absent} did not report the parameter dtypes of FSDP2 group(s) "
+                f"{self.names} within {self.timeout.total_seconds():g} s ({self.timeout_source}). "
                 "Every rank must run the same torch_fsdp_ext installation (none disabled with "
                 "TORCH_FSDP_EXT_DISABLE, the same install()/uninstall() calls and dtype_strategy) and change "
                 "parameter dtypes alike."
             ) from None
-        values = {r: store.get(prefix + str(r)).decode() for r in others}
-        values[me] = mine
-        if len(set(values.values())) == 1:
-            return
-        per_rank = [json.loads(values[r]) for r in range(world)]
-        ranks = [dist.get_global_rank(pg, r) for r in range(world)]
-        if len({tuple(name for name, _ in groups) for groups in per_rank}) > 1:
-            listing = "; ".join(f"rank {rank}: {[name for name, _ in groups]}" for rank, groups in zip(ranks, per_rank))
-            raise self.mismatch_error(f"torch_fsdp_ext: ranks disagree on which FSDP2 groups exist: {listing}")
-        for index, (name, _) in enumerate(per_rank[0]):
-            layouts = [groups[index][1] for groups in per_rank]
-            if len({json.dumps(layout) for layout in layouts}) > 1:
-                raise self.mismatch_error(_describe_disagreement(name, ranks, layouts))
+
+    def _missing_from_present(self) -> list[int]:
+        present = self.store.get(self.prefix + "present").decode() if self.store.check([self.prefix + "present"]) else ""
+        arrived = {int(r) for r in present.split(",") if r}
+        return [r for r in range(self.world) if r not in arrived]
+
+    def _finish(self, own_keys: list[str]) -> None:
+        """The last rank done with the comparison deletes its keys: only ``round`` stays."""
+        if self.store.add(self.prefix + "count", 1) == 2 * self.world:
+            for key in (*own_keys, self.prefix + "present", self.prefix + "verdict", self.prefix + "count"):
+                self.store.delete_key(key)
+
+
+def _digest(payload: str) -> str:
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def _describe(ranks: list[int], per_rank: list[list]) -> str:
+    """What differs between the ranks' layouts (each a list of ``(group name, layout)``)."""
+    if len({tuple(name for name, _ in groups) for groups in per_rank}) > 1:
+        listing = "; ".join(f"rank {rank}: {[name for name, _ in groups]}" for rank, groups in zip(ranks, per_rank))
+        return f"torch_fsdp_ext: ranks disagree on which FSDP2 groups exist: {listing}"
+    for index, (name, _) in enumerate(per_rank[0]):
+        layouts = [groups[index][1] for groups in per_rank]
+        if len({json.dumps(layout) for layout in layouts}) > 1:
+            return _describe_disagreement(name, ranks, layouts)
+    raise AssertionError("layouts with different digests are equal")
 
 
 def _describe_disagreement(name: str, ranks: list[int], layouts: list[list]) -> str:
@@ -238,3 +324,9 @@ def _describe_disagreement(name: str, ranks: list[int], layouts: list[list]) -> 
             )
             lines.append(f"  {entries[0][0]}: {per_rank}")
     return "\n".join(lines)
+
+
+def comparisons_made(pg: Any) -> int:
+    """How many comparisons the ranks of ``pg`` made through its store in this elastic attempt."""
+    store, world = _compat.process_group_store(pg), dist.get_world_size(pg)
+    return store.add(f"{_KEY_PREFIX}/{_attempt()}/w{world}/round", 0) // world

@@ -6,8 +6,10 @@ During non-reentrant recomputation FSDP2 is in ``TrainingState.PRE_BACKWARD`` an
 mixed-precision input cast (fixed upstream in 2.13, pytorch#182580), the output
 cast, and the root's move of inputs onto the FSDP device (still missing). And
 ``torch.utils.checkpoint`` restores autocast state only for the device type it
-infers from the *positional* tensor args, which is the wrong one when FSDP moved
-the inputs. The recomputed forward then differs from the original one:
+infers from the *positional* tensor args (the current accelerator when they are
+all on CPU), and RNG state only for the devices of those args: none for the
+device FSDP moves CPU inputs to. The recomputed forward then differs from the
+original one:
 
     torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Recomputed values for the
     following tensors have different metadata than during the forward pass.
@@ -21,7 +23,8 @@ can be recomputed more than once (one per backward graph task), hence a cursor
 and not a queue that is consumed.
 
 Note: what a record holds. Only what the FSDP state does not tell: whether this
-call was the iteration root that moved the inputs, and the autocast state. The
+call was the iteration root that moved the inputs (and then the RNG state of the
+device it moved them to, a few bytes on the host), and the autocast state. The
 input and output casts follow from the state's ``MixedPrecisionPolicy``, fixed
 at ``fully_shard`` time, so the replay reads them there, as upstream's own fix
 of the input cast does.
@@ -33,6 +36,14 @@ replays autocast only when its region ran under autocast or, on a machine with
 an accelerator, it starts under one. Calls into torch cost microseconds each
 between FSDP's and autograd's own work (cold caches), so they are few. A replay
 is tracked until post-forward only when post-forward has work.
+
+Note: device RNG of a replayed input move. Where checkpoint did not save the
+RNG state of the device the root moved its inputs to, the replay sets the state
+the forward had at the move and restores, when the recomputation ends, the
+state it began with, as checkpoint's ``fork_rng`` does for the devices it knows
+(``RecomputeReplay.replay_device_rng``). A checkpoint with
+``preserve_rng_state=False`` restores no RNG state anywhere; the replay leaves
+that device's alone too, as checkpoint would with the inputs moved beforehand.
 
 Note: exception safety. Checkpoint's early stop ends a recomputation by raising
 inside a module's forward, so the matching post-forward never runs. Whatever a
@@ -58,6 +69,8 @@ class ForwardContext(NamedTuple):
     # (device_type, enabled, dtype) for the module's device type and CPU; empty: autocast was off everywhere.
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     autocast_cache: bool | None
+    # ``moved_to``'s RNG state when the inputs were moved (a few bytes on the host); None without a move.
+    device_rng_state: torch.Tensor | None = None
 
 
 _PLAIN_FORWARD = ForwardContext(moved_to=None, autocast=(), autocast_cache=None)  # by far the most common
@@ -66,12 +79,14 @@ _PLAIN_FORWARD = ForwardContext(moved_to=None, autocast=(), autocast_cache=None)
 class FrameRecords:
     """The forward contexts of one checkpointed region, kept on its ``_CheckpointFrame``."""
 
-    __slots__ = ("contexts", "any_autocast", "any_replay")
+    __slots__ = ("contexts", "any_autocast", "any_replay", "input_move_devices", "recompute_fn")
 
-    def __init__(self) -> None:
+    def __init__(self, recompute_fn: Callable) -> None:
         self.contexts: dict[Any, list[ForwardContext]] = {}
         self.any_autocast = False  # some module forward in the region ran under autocast
         self.any_replay = False  # some module forward's context is not _PLAIN_FORWARD
+        self.input_move_devices: tuple[torch.device, ...] = ()  # where root input moves in the region went
+        self.recompute_fn = recompute_fn  # the frame's, which knows the checkpoint's preserve_rng_state
 
 
 _RECORDS_ATTR = "_torch_fsdp_ext_records"
@@ -98,11 +113,18 @@ class _Replay(NamedTuple):
 class _RecomputeFrame:
     """A ``_recomputation_hook`` that is active: one recomputation of one region."""
 
-    __slots__ = ("hook", "contexts", "cursor", "open", "autocast_on_entry", "replays_every_forward", "outer")
+    __slots__ = (
+        "hook", "contexts", "cursor", "open", "autocast_on_entry", "replays_every_forward", "outer",
+        "device_rng_on_entry", "device_rng_set",
+    )
 
     def __init__(self, hook: Any, records: FrameRecords, outer: _RecomputeFrame | None) -> None:
         self.hook = hook
         self.contexts = records.contexts
+        # RNG state per device of a root input move when this recomputation began, restored when it ends;
+        # None: the region moved no inputs, or its checkpoint does not preserve RNG state.
+        self.device_rng_on_entry: dict[torch.device, torch.Tensor] | None = None
+        self.device_rng_set: set[torch.device] = set()  # devices whose RNG state the replay set
         self.cursor: dict[Any, int] = {}
         self.open: list[_Replay] = []
         # Autocast state per device type when this recomputation began; None: autocast is not replayed.
@@ -268,6 +290,8 @@ class RecomputeReplay:
                     d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types
                 }
             entry.replays_every_forward = entry.autocast_on_entry is not None or replays_casts
+            if records.input_move_devices and _compat.checkpoint_preserves_rng_state(records.recompute_fn):
+                entry.device_rng_on_entry = {d: _compat.device_rng_state(d) for d in records.input_move_devices}
             frames.recompute = entry
             frames.stack.append(entry)
             return result
@@ -286,6 +310,11 @@ class RecomputeReplay:
                     frames.recompute = entry.outer
                     if entry.open:
                         _unwind(entry)
+                    if entry.device_rng_on_entry is not None:
+                        # As fork_rng ends checkpoint's recomputation for the devices it knows.
+                        for device, rng_state in entry.device_rng_on_entry.items():
+                            if rng_state is not None:
+                                _compat.set_device_rng_state(device, rng_state)
             return original(hook, exc_type, exc_value, traceback)
 
         return __exit__
@@ -310,11 +339,14 @@ class RecomputeReplay:
                     args, kwargs = fix.replay_pre_forward(recompute, state, module, context, args, kwargs)
                 args, kwargs = original(state, module, args, kwargs)
             else:
+                if context is not None:  # ran in the recomputed region's forward; its own backward has not begun
+                    fix.replay_root_claim(recompute, state, module, context, (args, kwargs))
                 context = capture_autocast(state._device.type) if _compat.any_autocast_enabled() else _PLAIN_FORWARD
                 claims_root = state._state_ctx.iter_forward_root is None
+                inputs = (args, kwargs) if claims_root else None
                 args, kwargs = original(state, module, args, kwargs)
                 if claims_root and state._state_ctx.iter_forward_root is state and _compat.moves_inputs_to(state._device):
-                    context = context._replace(moved_to=state._device)
+                    context = fix.record_input_move(stack, recompute, context, state._device, inputs)
             if stack[-1] is not recompute:
                 # Forward frames above the innermost recompute: this region, and checkpoints nested in it.
                 for entry in reversed(stack):
@@ -352,11 +384,96 @@ class RecomputeReplay:
 
         return _post_forward
 
+    def record_input_move(
+        self, stack: list, recompute: _RecomputeFrame | None, context: ForwardContext, device: torch.device,
+        inputs: tuple,
+    ) -> ForwardContext:
+        """The context of a forward that moved the iteration's ``inputs`` onto ``device`` inside checkpointed regions.
+
+        A move that changed nothing (inputs already on the device) is not recorded: its replay would not either.
+
+        Note: the replay of this move must also replay ``device``'s RNG state.
+        Checkpoint restores RNG state only for the devices of its positional
+        tensor arguments; with CPU arguments that FSDP moves it restores none
+        for ``device``, and a recomputation would draw other random numbers
+        there (other dropout masks) than the forward did.
+        """
+        if not _compat.has_tensors_off(device, inputs):
+            return context
+        if self.upstream_moves_inputs or stack[-1] is recompute:  # the latter: recorded in no region
+            return context._replace(moved_to=device)
+        for entry in reversed(stack):
+            if entry is recompute:
+                break
+            records = entry.records
+            if device not in records.input_move_devices:
+                records.input_move_devices += (device,)
+        return context._replace(moved_to=device, device_rng_state=_compat.device_rng_state(device))
+
+    def replay_device_rng(self, recompute: _RecomputeFrame, module: Any, context: ForwardContext) -> None:
+        """Give ``context.moved_to`` the RNG state it had when the forward moved the inputs there.
+
+        Note: three cases. The state already equals the forward's: checkpoint
+        restored it (a positional argument was on the device), or this
+        recomputation already set it at an earlier move. It still is what it was
+        when the recomputation began: nothing in the region drew from it yet, so
+        setting the forward's state makes the rest draw the same numbers (undone
+        when the recomputation ends). Otherwise the region drew from the device
+        before this move, with a state checkpoint did not save: those numbers
+        differ from the forward's and nothing here can make them equal, so raise.
+        """
+        device, forward_state = context.moved_to, context.device_rng_state
+        current = _compat.device_rng_state(device)
+        if current is None or forward_state is None:
+            raise RuntimeError(
+                f"torch_fsdp_ext: cannot read the RNG state of {device}, so the recomputation of a checkpointed "
+                f"region cannot draw the forward's random numbers there after the FSDP root "
+                f"{type(module).__name__} moves its inputs. Move the inputs to {device} before calling checkpoint."
+            )
+        if torch.equal(current, forward_state):
+            return
+        if device not in recompute.device_rng_set and torch.equal(current, recompute.device_rng_on_entry[device]):
+            _compat.set_device_rng_state(device, forward_state)
+            recompute.device_rng_set.add(device)
+            return
+        raise RuntimeError(
+            f"torch_fsdp_ext: a checkpointed region drew random numbers on {device} before the FSDP root "
+            f"{type(module).__name__} moved its inputs there. torch.utils.checkpoint saved no RNG state for "
+            f"{device} (the region's positional tensor arguments are on CPU), so its recomputation cannot "
+            f"draw the same numbers as the forward. Move the inputs to {device} before calling checkpoint."
+        )
+
+    def replay_root_claim(
+        self, recompute: _RecomputeFrame, state: Any, module: Any, context: ForwardContext, inputs: tuple
+    ) -> None:
+        """Make the root claim of a module that FSDP runs as a forward in a recomputation what it was in the forward.
+
+        Note: while a checkpointed root is recomputed, its nested FSDP modules
+        are still ``IDLE`` and take FSDP's forward path, where the first of them
+        finds no iteration root and claims it: it would move its inputs, which
+        its caller passed as the forward did (a tensor kept on CPU would land on
+        the device). Where that move would change an input of a module that did
+        not move inputs in the forward, the claim is held for the module, which
+        skips the move (and the root's stream waits, which FSDP skips for nested
+        modules too); its post-forward releases the claim, as the iteration
+        root's does. A module that did move them gets the device's RNG state of
+        its forward, as in a replay.
+        """
+        if state._state_ctx.iter_forward_root is not None:
+            return
+        if context.moved_to is None:
+            if _compat.moves_inputs_to(state._device) and _compat.has_tensors_off(state._device, inputs):
+                state._state_ctx.iter_forward_root = state
+        elif recompute.device_rng_on_entry is not None and not self.upstream_moves_inputs:
+            self.replay_device_rng(recompute, module, context)
+
     def replay_pre_forward(
         self, recompute: _RecomputeFrame, state: Any, module: Any, context: ForwardContext, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict]:
         policy = state._mp_policy
         if context.moved_to is not None and not self.upstream_moves_inputs:
+            if recompute.device_rng_on_entry is not None:  # else: preserve_rng_state=False, nothing to restore
+                self.replay_device_rng(recompute, module, context)
             args, kwargs = _compat.move_inputs(args, kwargs, context.moved_to)
         if not self.upstream_casts_inputs and policy.cast_forward_inputs and policy.param_dtype is not None:
             args = _compat.cast_floating_tensors(policy.param_dtype, args)
@@ -417,7 +534,7 @@ def _attach_records(original: Callable) -> Callable:
     def __init__(hook: Any, frame: Any, *args: Any, **kwargs: Any) -> None:
         original(hook, frame, *args, **kwargs)
         # Torch gives each frame one checkpoint hook: this is where the frame's records start.
-        hook.__dict__[_RECORDS_ATTR] = frame.__dict__[_RECORDS_ATTR] = FrameRecords()
+        hook.__dict__[_RECORDS_ATTR] = frame.__dict__[_RECORDS_ATTR] = FrameRecords(frame.recompute_fn)
 
     return __init__
 

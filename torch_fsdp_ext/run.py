@@ -7,10 +7,10 @@
     python -m torch_fsdp_ext.run -m package.module ARGS...
 
 Imports the plugin (which installs the fixes this torch needs), then runs the script
-as ``__main__`` with ``sys.argv`` set to the script and its arguments, as ``python
-train.py ARGS`` would. Options of this launcher come before the script; everything
-after the script belongs to it. ``TORCH_FSDP_EXT_DISABLE=1`` still turns the import's
-install off; ``--dtype-strategy`` installs explicitly.
+as __main__ with sys.argv set to the script and its arguments, as "python train.py
+ARGS" would. Options of this launcher come before the script; everything after the
+script belongs to it. TORCH_FSDP_EXT_DISABLE=1 still turns the import's install off;
+--dtype-strategy installs explicitly.
 """
 
 from __future__ import annotations
@@ -25,11 +25,15 @@ def main(argv: list[str] | None = None) -> None:
     import torch_fsdp_ext
 
     parser = argparse.ArgumentParser(
-        prog="python -m torch_fsdp_ext.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m torch_fsdp_ext.run",
+        usage="%(prog)s [--dtype-strategy STRATEGY] [--compute-in-loaded-dtype MODULES] (SCRIPT | -m MODULE) [ARGS ...]",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--dtype-strategy",
         choices=torch_fsdp_ext.STRATEGIES,
+        type=lambda value: value.strip().lower(),  # as install() and the environment read it
         help="how mixed parameter dtypes in one FSDP group are handled (installs with this strategy)",
     )
     parser.add_argument(
@@ -39,9 +43,11 @@ def main(argv: list[str] | None = None) -> None:
         "every FSDP group (as TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE; docs/compute-dtype.md)",
     )
     parser.add_argument("-m", dest="as_module", action="store_true", help="run a module, like python -m")
-    parser.add_argument("target", help="the script (or, with -m, the module) to run")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    parser.add_argument("target", nargs="?", metavar="SCRIPT", help="the script (or, with -m, the module) to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments")
     options = parser.parse_args(argv)
+    if options.target is None:
+        parser.error("no script to run: give a script path, or -m and a module name")
 
     if options.dtype_strategy is not None:
         torch_fsdp_ext.install(dtype_strategy=options.dtype_strategy)

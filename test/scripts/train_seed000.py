@@ -59,6 +59,7 @@ def main() -> None:
         dtypes = sorted({str(p.dtype) for p in model.parameters()})
         print(json.dumps({"losses": losses, "dtypes": dtypes, "plugin_imported": "torch_fsdp_ext" in sys.modules,
                           "argv": sys.argv[1:]}))
+    dist.barrier()  # every rank done with gloo before any rank tears it down
     dist.destroy_process_group()
 
 

@@ -7,8 +7,21 @@ state's device reads as ``cuda`` (after lazy init FSDP2 uses it only for that ch
 as the move's target), and ``_to_kwargs`` (the move itself, as ``_fsdp_state`` imports
 it) returns clones that it remembers instead of moving: a module input that is one of
 those clones was moved. The assertions are those of PR 2's test with "on the device"
-read as "moved". Run by ``check.py`` against the patched FSDP2 copy; against unpatched
-torch 2.15.0 the ``root`` and ``block_run_alone`` cases fail.
+read as "moved".
+
+The device's RNG: each state's device handle (``torch.cuda`` on a CUDA device, whose
+``get_rng_state`` FSDP reads) is a ``StandInDeviceHandle`` whose RNG is a
+``torch.Generator`` of its own; ``DeviceDropout`` draws its mask from it, as dropout on a
+CUDA tensor draws from the CUDA generator. Checkpoint does not know that generator, as
+it does not know a CUDA device's when every positional argument is on CPU. In the
+``*_with_device_dropout`` layouts the recomputation would draw other masks than the
+forward, so the patched FSDP must raise instead of replaying the move. In
+``bare_root_with_device_dropout`` (the root hands its input straight to block 0) unpatched
+FSDP already runs the recomputation, silently: block 0, still idle, claims the iteration
+root and moves the input.
+
+Run by ``check.py`` against the patched FSDP2 copy; against unpatched torch 2.15.0 every
+case but ``nested_blocks`` fails.
 """
 
 from __future__ import annotations
@@ -49,16 +62,40 @@ class MovedTensors:
         return (tuple(move(a) for a in args),), ({k: move(v) for k, v in kwargs.items()},)
 
 
+class StandInDeviceHandle:
+    """FSDP's device handle (streams etc. from the real one) with a device RNG of its own."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self.generator = torch.Generator().manual_seed(1234)
+
+    def get_rng_state(self, device=None) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def __getattr__(self, name: str):
+        return getattr(self.handle, name)
+
+
+class DeviceDropout(nn.Module):
+    def __init__(self, device_handle: StandInDeviceHandle) -> None:
+        super().__init__()
+        self.device_handle = device_handle
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.rand(x.shape, generator=self.device_handle.generator) >= 0.5) * 2
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, moved: MovedTensors) -> None:
         super().__init__()
         self.lin = nn.Linear(dim, dim)
         self.moved = moved
         self.host_input_moved: list[bool] = []  # one entry per forward or recomputation
+        self.dropout = nn.Identity()
 
     def forward(self, x: torch.Tensor, host_scale: torch.Tensor) -> torch.Tensor:
         self.host_input_moved.append(host_scale in self.moved)
-        return torch.relu(self.lin(x)) * host_scale
+        return self.dropout(torch.relu(self.lin(x))) * host_scale
 
 
 class Model(nn.Module):
@@ -69,10 +106,13 @@ class Model(nn.Module):
         self.moved = moved
         self.input_moved: list[bool] = []
         self.checkpoint_blocks = False
+        self.dropout = nn.Identity()
+        self.root_ops = True  # False: hands its input straight to block 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.input_moved.append(x in self.moved)
-        x = self.in_proj(x)
+        if self.root_ops:
+            x = self.dropout(self.in_proj(x))
         host_scale = torch.full((1,), 0.5)
         for block in self.blocks:
             x = checkpoint(block, x, host_scale, use_reentrant=False) if self.checkpoint_blocks else block(x, host_scale)
@@ -82,7 +122,10 @@ class Model(nn.Module):
 class TestRecomputeInputsOnCPU(FSDPExtTestCase):
     WORLD_SIZE = 2
 
-    @parametrize("checkpointed", ["root", "nested_blocks", "block_run_alone"])
+    @parametrize(
+        "checkpointed",
+        ["root", "root_with_device_dropout", "bare_root_with_device_dropout", "nested_blocks", "block_run_alone"],
+    )
     def test_checkpoint_with_cpu_inputs(self, checkpointed: str) -> None:
         moved = MovedTensors()
         torch.manual_seed(42)
@@ -97,15 +140,30 @@ class TestRecomputeInputsOnCPU(FSDPExtTestCase):
         model(inp).sum().backward()  # lazy init from the root
         model.zero_grad(set_to_none=True)
         states = {fully_shard.state(m) for m in (model, *model.blocks)}
+        device_handle = StandInDeviceHandle(fully_shard.state(model)._device_handle)
         with (
             mock.patch.multiple(fsdp_state, _to_kwargs=moved.to_kwargs),
             contextlib.ExitStack() as stack,
         ):
             for state in states:
                 stack.enter_context(mock.patch.object(state, "_device", torch.device("cuda")))
+                stack.enter_context(mock.patch.object(state, "_device_handle", device_handle))
             model.input_moved.clear()
             for block in model.blocks:
                 block.host_input_moved.clear()
+            if checkpointed == "bare_root_with_device_dropout":
+                # Unpatched, block 0 claims the iteration root in the recomputation and moves the input:
+                # it runs, with other masks than the forward's (no error).
+                model.root_ops = False
+                for block in model.blocks:
+                    block.dropout = DeviceDropout(device_handle)
+            elif checkpointed == "root_with_device_dropout":
+                model.dropout = DeviceDropout(device_handle)
+            if checkpointed.endswith("with_device_dropout"):
+                loss = checkpoint(model, inp, use_reentrant=False).sum()
+                with self.assertRaisesRegex(RuntimeError, "Move the inputs to cuda before calling checkpoint"):
+                    loss.backward()
+                return
             if checkpointed == "root":
                 checkpoint(model, inp, use_reentrant=False).sum().backward()
                 ref_model(inp).sum().backward()
