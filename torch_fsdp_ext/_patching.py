@@ -43,6 +43,7 @@ class PatchSet:
     def __init__(self) -> None:
         self._attributes: list[_AttributePatch] = []
         self._hooks: list[_HookPatch] = []
+        self._undo_first: list[Callable[[], None]] = []
         self._handles: list[Any] = []
 
     def wrap(self, owner: Any, name: str, make_wrapper: Callable[[Any], Any], *, as_decorated: bool = False) -> None:
@@ -68,6 +69,10 @@ class PatchSet:
         self._hooks.append(_HookPatch(hooks, hook_id, hooks[hook_id], replacement))
         hooks[hook_id] = replacement
 
+    def on_restore(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` first on ``restore()``: for what a fix changes after install (e.g. per instance)."""
+        self._undo_first.append(undo)
+
     def add_handle(self, handle: Any) -> None:
         """A hook registered through torch's public API (``RemovableHandle``), removed by ``restore()``."""
         self._handles.append(handle)
@@ -77,6 +82,9 @@ class PatchSet:
         return len(self._hooks)
 
     def restore(self) -> None:
+        for undo in reversed(self._undo_first):
+            undo()
+        self._undo_first.clear()
         for handle in reversed(self._handles):
             handle.remove()
         self._handles.clear()

@@ -15,6 +15,13 @@ rank until they join. What ``_init_mp_dtypes`` sees is only noted; a group whose
 layout differs from the one last compared (a ``.to(bf16)`` after the first
 forward, seen by an explicit ``unshard()``) is compared at the next root forward.
 
+Note: cost. FSDP calls ``_lazy_init`` from every module's first pre-forward of
+each pass. Once a state is initialized and nothing is left to compare, the
+wrapper has nothing to do for it, so it sets torch's own method on that state
+(an instance attribute, found before the class's): from then on FSDP calls torch
+directly. A layout queued for comparison takes those instance attributes away
+again, so the next root forward goes through the wrapper; so does uninstall.
+
 Note: how the ranks compare. Through the process group's c10d store, not with a
 collective. A rank that runs without the plugin (``TORCH_FSDP_EXT_DISABLE=1`` on
 one rank) never takes part: with a collective, the other ranks' plugin all-gather
@@ -38,6 +45,7 @@ import hashlib
 import json
 import os
 import threading
+import types
 import weakref
 from typing import Any, Callable
 
@@ -98,9 +106,37 @@ class RankConsistency:
         self.mismatch_error = mismatch_error
         self._compared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> layout
         self._thread = _ThreadState()
+        # FSDP states that call torch's _lazy_init directly (weakly: the method set on each refers to it).
+        self._settled: weakref.WeakSet = weakref.WeakSet()
+        self._torch_lazy_init: Callable | None = None
+        self._settled_lock = threading.Lock()  # install/uninstall may run on another thread than training
+        self._installed = False
 
     def install(self, patches: PatchSet) -> None:
         patches.wrap(self.internals.FSDPState, "_lazy_init", self._wrap_lazy_init)
+        patches.on_restore(self._uninstalled)
+        self._installed = True
+
+    def settle(self, state: Any, original: Callable) -> None:
+        """Let ``state`` call torch's ``_lazy_init`` directly: it has nothing left to compare."""
+        with self._settled_lock:
+            if self._installed:  # not a wrapper call that began before uninstall()
+                self._torch_lazy_init = original
+                state.__dict__["_lazy_init"] = types.MethodType(original, state)
+                self._settled.add(state)
+
+    def unsettle(self) -> None:
+        """Send every state's ``_lazy_init`` through the wrapper again."""
+        with self._settled_lock:
+            for state in list(self._settled):
+                bound = state.__dict__.get("_lazy_init")
+                if isinstance(bound, types.MethodType) and bound.__func__ is self._torch_lazy_init:
+                    del state.__dict__["_lazy_init"]
+            self._settled.clear()
+
+    def _uninstalled(self) -> None:
+        self._installed = False
+        self.unsettle()
 
     def note_layout(self, group: Any) -> None:
         """Called from ``_init_mp_dtypes``: queue the group if its layout was not compared yet."""
@@ -110,6 +146,8 @@ class RankConsistency:
         layout = layout_of(group)
         if self._compared.get(group) != layout:
             thread.pending[group] = layout
+            if self._settled:
+                self.unsettle()  # the next root forward compares it
         else:
             thread.pending.pop(group, None)
 
@@ -120,10 +158,13 @@ class RankConsistency:
 
         @wraps(original)
         def _lazy_init(state: Any) -> None:
-            # Every FSDP pre-forward calls this; after the first forward it is a no-op in torch.
+            # FSDP's first pre-forward of each state in each pass calls this; after the first forward it is a
+            # no-op in torch.
             if is_root_flag(state) is not None:
                 if thread.pending:
                     ranks.compare_pending()
+                else:
+                    ranks.settle(state, original)
                 return original(state)
             thread.in_root_lazy_init = True
             try:
@@ -134,6 +175,7 @@ class RankConsistency:
             finally:
                 thread.in_root_lazy_init = False
             ranks.compare_pending()
+            ranks.settle(state, original)
 
         return _lazy_init
 

@@ -79,11 +79,12 @@ _PLAIN_FORWARD = ForwardContext(moved_to=None, autocast=(), autocast_cache=None)
 class FrameRecords:
     """The forward contexts of one checkpointed region, kept on its ``_CheckpointFrame``."""
 
-    __slots__ = ("contexts", "any_autocast", "input_move_devices", "recompute_fn")
+    __slots__ = ("contexts", "any_autocast", "any_replay", "input_move_devices", "recompute_fn")
 
     def __init__(self, recompute_fn: Callable) -> None:
         self.contexts: dict[Any, list[ForwardContext]] = {}
         self.any_autocast = False  # some module forward in the region ran under autocast
+        self.any_replay = False  # some module forward's context is not _PLAIN_FORWARD
         self.input_move_devices: tuple[torch.device, ...] = ()  # where root input moves in the region went
         self.recompute_fn = recompute_fn  # the frame's, which knows the checkpoint's preserve_rng_state
 
@@ -275,17 +276,24 @@ class RecomputeReplay:
             records = hook.__dict__.get(_RECORDS_ATTR)  # set by _find_records
             # No record: no FSDP module ran forward in this region (nor in checkpoints nested in it), so
             # none runs in its recomputation either; e.g. checkpoint_wrapper applied inside an FSDP unit.
-            if records is not None and records.contexts and fix.active:
-                entry = _RecomputeFrame(hook, records, frames.recompute)
-                if records.any_autocast or (ambient_autocast_can_leak and _compat.any_autocast_enabled()):
-                    entry.autocast_on_entry = {
-                        d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types
-                    }
-                entry.replays_every_forward = entry.autocast_on_entry is not None or replays_casts
-                if records.input_move_devices and _compat.checkpoint_preserves_rng_state(records.recompute_fn):
-                    entry.device_rng_on_entry = {d: _compat.device_rng_state(d) for d in records.input_move_devices}
-                frames.recompute = entry
-                frames.stack.append(entry)
+            if records is None or not records.contexts or not fix.active:
+                return result
+            replays_autocast = records.any_autocast or (ambient_autocast_can_leak and _compat.any_autocast_enabled())
+            # Note: nothing to replay (plain forwards, casts done by torch, no autocast to restore) and no
+            # region around this one to record into: the recomputation is left to torch alone, so that the
+            # FSDP hooks inside it take their fast path.
+            if not (replays_casts or replays_autocast or records.any_replay or frames.stack):
+                return result
+            entry = _RecomputeFrame(hook, records, frames.recompute)
+            if replays_autocast:
+                entry.autocast_on_entry = {
+                    d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types
+                }
+            entry.replays_every_forward = entry.autocast_on_entry is not None or replays_casts
+            if records.input_move_devices and _compat.checkpoint_preserves_rng_state(records.recompute_fn):
+                entry.device_rng_on_entry = {d: _compat.device_rng_state(d) for d in records.input_move_devices}
+            frames.recompute = entry
+            frames.stack.append(entry)
             return result
 
         return __enter__
@@ -350,8 +358,10 @@ class RecomputeReplay:
                         records.contexts[module] = [context]
                     else:
                         contexts.append(context)
-                    if context.autocast:
-                        records.any_autocast = True
+                    if context is not _PLAIN_FORWARD:
+                        records.any_replay = True
+                        if context.autocast:
+                            records.any_autocast = True
             return args, kwargs
 
         return _pre_forward
