@@ -376,7 +376,9 @@ nn.Module classes, class names, FQN globs or FQN components. No FSDP2 group buil
                 )
             argv, path = sys.argv[:], sys.path[:]
             try:
-                run.main(["--compute-in-loaded-dtype", "RMSNorm,norm", script])
+                # The launcher sets variables for the interpreters the script starts: keep them in this test.
+                with unittest.mock.patch.dict(os.environ):
+                    run.main(["--compute-in-loaded-dtype", "RMSNorm,norm", script])
             finally:
                 sys.argv[:], sys.path[:] = argv, path
                 _compute_dtype.set_default_selectors(None)
