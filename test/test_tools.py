@@ -9,6 +9,7 @@ import subprocess
 import sys
 import unittest
 
+import torch
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, ROOT
@@ -53,6 +54,10 @@ class TestTools(TestCase):
     @unittest.skipIf(
         shutil.which("valgrind") is None or shutil.which("callgrind_control") is None,
         "valgrind (callgrind) is not installed: tools/bench_instructions.py counts with it",
+    )
+    @unittest.skipIf(
+        torch.version.cuda is not None,
+        "counted on CPU builds of torch only: a CUDA build loads its CUDA libraries under valgrind, minutes more per run",
     )
     def test_instruction_counts_quick(self):
         # One callgrind process (it re-imports torch under valgrind: most of this test's time), 2 steps each of
