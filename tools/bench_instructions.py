@@ -323,8 +323,7 @@ def main() -> int:
             per_forward = added[checkpoint] / forwards_per_step(checkpoint)
             bound = BOUND_PER_FORWARD[checkpoint]
             met = per_forward <= bound
-            if world == 1 and needed["recompute"] is not None:
-                ok &= met
+            ok &= met
             rows.append(["per-block non-reentrant checkpoint" if checkpoint else "no checkpoint", f"{base:,.0f}",
                          f"{added[checkpoint]:+,.0f} ({added[checkpoint] / base:+.2%})",
                          f"{per_forward:,.0f} ({forwards_per_step(checkpoint)} forwards)",
