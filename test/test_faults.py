@@ -12,7 +12,6 @@ import gc
 import os
 import textwrap
 import threading
-import unittest
 import warnings
 from datetime import timedelta
 from unittest import mock
@@ -29,7 +28,6 @@ from torch_fsdp_ext import MixedParamDtypeError, _env
 from torch_fsdp_ext._rank_consistency import RankCheckTimeoutError
 
 from common import (
-    HAS_DTYPE_BUG,
     FSDPExtTestCase,
     MixedPrecisionPolicy,
     RMSNorm,
@@ -39,6 +37,7 @@ from common import (
     full_params,
     fully_shard,
     lm_loss,
+    needs_dtype_fix,
     plugin,
     plugin_specific,
     run_python,
@@ -47,7 +46,6 @@ from common import (
 )
 
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-needs_dtype_fix = unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes: the dtype fix is off")
 
 # Every collective a Python caller can issue, counted in both namespaces they are reached through.
 _COLLECTIVES = (

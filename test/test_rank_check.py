@@ -28,7 +28,6 @@ from torch_fsdp_ext import MixedParamDtypeError, _compat
 from torch_fsdp_ext._rank_consistency import _Comparison, comparisons_made
 
 from common import (
-    HAS_DTYPE_BUG,
     ROOT,
     FSDPExtTestCase,
     MixedPrecisionPolicy,
@@ -40,6 +39,7 @@ from common import (
     counting_store_calls,
     fully_shard,
     lm_loss,
+    needs_dtype_fix,
     plugin,
     plugin_specific,
     seed_000_model,
@@ -48,7 +48,6 @@ from common import (
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-needs_dtype_fix = unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes: the dtype fix is off")
 # What the check may cost each rank at the first forward, whatever the world size and the model.
 MAX_CALLS_PER_RANK, MAX_BYTES_PER_RANK = 12, 2048
 
