@@ -79,6 +79,12 @@ class FSDPExtTestCase(MultiProcessTestCase):
         backend = "nccl" if use_nccl(self.world_size) else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(self.rank)
+        else:
+            # Note: one intra-op thread per forked rank. The pytest process may have run OpenMP
+            # parallel regions before it forked this rank, and OpenMP's thread pool does not
+            # survive a fork (its worker threads are not in the child); with one thread no
+            # parallel region starts. The ranks share two cores anyway.
+            torch.set_num_threads(1)
         timeout = {} if self.PG_TIMEOUT is None else {"timeout": self.PG_TIMEOUT}
         dist.init_process_group(
             backend, init_method=f"file://{self.file_name}", rank=self.rank, world_size=self.world_size, **timeout
