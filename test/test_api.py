@@ -61,10 +61,9 @@ class TestInstallUninstall(TestCase):
         torch_fsdp_ext.install()
         patched = patched_attributes()
         changed = [key for key in pristine if patched[key] is not pristine[key]]
-        # Every wrapped method but the reduce path of mixed groups, which a release that casts
-        # gradients per parameter (2.15) does not need; the recompute fix alone wraps 8.
-        reduce_path = 0 if _compat.probe_reduce_casts_grads_per_param() else 2
-        self.assertEqual(len(changed), len(_compat.WRAPPED_METHODS) - 2 + reduce_path if HAS_DTYPE_BUG else 8)
+        # Every wrapped method but the reduce path of mixed groups (wrapped while such a group
+        # lives, test_lifecycle); the recompute fix alone wraps 8.
+        self.assertEqual(len(changed), len(_compat.WRAPPED_METHODS) - 2 if HAS_DTYPE_BUG else 8)
         for _ in range(1000):
             torch_fsdp_ext.install()
             torch_fsdp_ext.uninstall()

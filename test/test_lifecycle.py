@@ -255,10 +255,11 @@ Fix: install the plugin (import torch_fsdp_ext) before building the optimizer an
     def test_uninstall_keeps_live_preserve_groups_working_then_restores_originals(self):
         group_cls = _compat.load_internals().FSDPParamGroup
         reduce_module = _compat.load_internals().fsdp_param_group_module
+        wraps_reduce = not _compat.probe_reduce_casts_grads_per_param()  # releases up to 2.14
+        original_foreach_reduce = reduce_module.foreach_reduce
         with plugin(True, **PRESERVE):
             original_init_mp_dtypes = group_cls._init_mp_dtypes.__wrapped__
-            wraps_reduce = not _compat.probe_reduce_casts_grads_per_param()  # releases up to 2.14
-            original_foreach_reduce = reduce_module.foreach_reduce.__wrapped__ if wraps_reduce else None
+            self.assertIs(reduce_module.foreach_reduce, original_foreach_reduce)  # wrapped once a group stays mixed
             reference = shard_model(mixed_llama(), mp_policy=MP)
             reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
             expected = train_steps(reference, reference_optimizer, self.rank, range(3))
@@ -267,6 +268,7 @@ Fix: install the plugin (import torch_fsdp_ext) before building the optimizer an
             model = shard_model(mixed_llama(), mp_policy=MP)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             losses = train_steps(model, optimizer, self.rank, range(1))
+            self.assertEqual(reduce_module.foreach_reduce is not original_foreach_reduce, wraps_reduce)
             torch_fsdp_ext.uninstall()
             self.assertFalse(torch_fsdp_ext.status().fixes["dtype"].active)
             model.layers[1].unshard()
@@ -280,8 +282,7 @@ Fix: install the plugin (import torch_fsdp_ext) before building the optimizer an
             del model, optimizer
             gc.collect()
             self.assertIs(group_cls._init_mp_dtypes, original_init_mp_dtypes)
-            if wraps_reduce:
-                self.assertIs(reduce_module.foreach_reduce, original_foreach_reduce)
+            self.assertIs(reduce_module.foreach_reduce, original_foreach_reduce)
 
 
 # -- 6: ranks the script spawns itself ------------------------------------------------

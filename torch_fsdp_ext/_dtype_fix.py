@@ -231,25 +231,25 @@ def _init_mp_dtypes_trainable_only(original: Callable, group: Any) -> None:
 
 class GroupKeeper:
     """The wrappers of ``_init_mp_dtypes`` and of the reduce path, shared by the installed fix
-    and by the ``preserve`` groups that are still alive after ``uninstall()``."""
+    and by the ``preserve`` groups that are still alive after ``uninstall()``.
+
+    Note: the reduce path is wrapped only while a group that stays mixed is alive
+    (on releases whose reduce casts one dtype for the whole group): it runs once per
+    group per backward, and a model without such a group would pay for it for nothing.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.fix: DtypeFix | None = None  # the installed fix; None after uninstall()
-        self.patches: PatchSet | None = None
+        self.patches: PatchSet | None = None  # _init_mp_dtypes
+        self.reduce_patches: PatchSet | None = None  # the reduce path of mixed groups
         self.kept_groups = 0  # live groups that stayed mixed
 
     def attach(self, fix: DtypeFix) -> None:
         with self.lock:
             if self.patches is None:
                 patches = PatchSet()
-                try:
-                    patches.wrap(fix.internals.FSDPParamGroup, "_init_mp_dtypes", self._wrap_init_mp_dtypes)
-                    if not _compat.probe_reduce_casts_grads_per_param():
-                        _compat.wrap_reduce_for_mixed_groups(patches)
-                except Exception:
-                    patches.restore()
-                    raise
+                patches.wrap(fix.internals.FSDPParamGroup, "_init_mp_dtypes", self._wrap_init_mp_dtypes)
                 self.patches = patches
             self.fix = fix
 
@@ -264,6 +264,14 @@ class GroupKeeper:
         with self.lock:
             if group.__dict__.get("_torch_fsdp_ext_kept"):
                 return
+            if self.reduce_patches is None and not _compat.probe_reduce_casts_grads_per_param():
+                patches = PatchSet()
+                try:
+                    _compat.wrap_reduce_for_mixed_groups(patches)
+                except Exception:
+                    patches.restore()
+                    raise
+                self.reduce_patches = patches
             group.__dict__["_torch_fsdp_ext_kept"] = True
             self.kept_groups += 1
         weakref.finalize(group, self._group_collected)
@@ -274,6 +282,9 @@ class GroupKeeper:
             self._restore_if_unused()
 
     def _restore_if_unused(self) -> None:
+        if self.kept_groups == 0 and self.reduce_patches is not None:
+            self.reduce_patches.restore()
+            self.reduce_patches = None
         if self.fix is None and self.kept_groups == 0 and self.patches is not None:
             self.patches.restore()
             self.patches = None
