@@ -16,7 +16,7 @@ from torch.testing._internal.common_utils import run_tests
 from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
-from torch_fsdp_ext import _compat
+from torch_fsdp_ext import _compat, _install
 
 from common import FSDPExtTestCase, MixedPrecisionPolicy, fully_shard, plugin, plugin_specific
 
@@ -141,18 +141,43 @@ class DecoratedAsFSDPTest(unittest.TestCase):
         state_cls = _compat.load_internals().FSDPState
         with plugin(False):
             originals = {name: state_cls.__dict__[name] for name in ("_pre_forward", "_post_forward")}
+        undecorated = {name: original.__wrapped__ for name, original in originals.items()}
         with plugin(True):
-            if not torch_fsdp_ext.status().fixes["recompute"].active:
+            fix = _install._active.get("recompute", (None, None))[0]
+            if fix is None:
                 self.skipTest("the recompute fix is not needed on this torch, so FSDP's hooks are not wrapped")
             for name, original in originals.items():
                 decorator = _compat.dynamo_decorator(original)
                 self.assertIsNotNone(decorator, f"FSDPState.{name} is not decorated for dynamo on this torch")
-                wrapper = state_cls.__dict__[name]
-                self.assertIsNot(wrapper, original)
-                self.assertIs(_compat.dynamo_decorator(wrapper)[0], decorator[0])
+                if fix.switches_hooks:
+                    # torch's decorated hook stays in place; only while a checkpoint region runs
+                    # does it call our wrapper, inside torch's decorator.
+                    self.assertIs(state_cls.__dict__[name], original)
+                    cell = _compat.decorated_method_cell(original)
+                    seen = []
+
+                    def region(x: torch.Tensor, cell=cell) -> torch.Tensor:
+                        seen.append(cell.cell_contents)
+                        return x.sin()
+
+                    self.assertIs(cell.cell_contents, undecorated[name])
+                    x = torch.ones(2, requires_grad=True)
+                    checkpoint(region, x, use_reentrant=False).sum().backward()
+                    self.assertEqual(len(seen), 2)  # forward and recompute
+                    self.assertIsNot(seen[0], undecorated[name])
+                    self.assertIs(seen[0].__wrapped__, undecorated[name])
+                    # No FSDP module ran in the region: its recompute is torch's alone.
+                    self.assertIs(seen[1], undecorated[name])
+                    self.assertIs(cell.cell_contents, undecorated[name])
+                else:
+                    wrapper = state_cls.__dict__[name]
+                    self.assertIsNot(wrapper, original)
+                    self.assertIs(_compat.dynamo_decorator(wrapper)[0], decorator[0])
         with plugin(False):
             for name, original in originals.items():
                 self.assertIs(state_cls.__dict__[name], original)
+                cell = _compat.decorated_method_cell(original)
+                self.assertTrue(cell is None or cell.cell_contents is undecorated[name])
 
     def test_traceable_fsdp2_warns_once(self) -> None:
         decorated = _compat.dynamo_decorator(_compat.load_internals().FSDPState.__dict__["_pre_forward"])

@@ -352,6 +352,19 @@ def dynamo_decorator(method: Callable) -> tuple[Callable, Callable] | None:
     return None
 
 
+def decorated_method_cell(method: Callable) -> types.CellType | None:
+    """The closure cell through which torch's dynamo decorator of ``method`` calls the method it
+    decorates (``__wrapped__``); None where ``method`` calls it some other way or is undecorated."""
+    undecorated = getattr(method, "__wrapped__", None)
+    for cell in getattr(method, "__closure__", None) or ():
+        try:
+            if undecorated is not None and cell.cell_contents is undecorated:
+                return cell
+        except ValueError:  # an empty cell
+            continue
+    return None
+
+
 def dynamo_decorator_reads_skip_fsdp_hooks(decorator: Callable) -> bool:
     """Does the decorated hook leave dynamo's skip to ``torch._dynamo.config.skip_fsdp_hooks`` (<= 2.11)?"""
     return any(

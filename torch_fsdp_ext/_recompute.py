@@ -77,29 +77,22 @@ _PLAIN_FORWARD = ForwardContext(moved_to=None, autocast=(), autocast_cache=None)
 
 
 class FrameRecords:
-    """The forward contexts of one checkpointed region, kept on its ``_CheckpointFrame``."""
+    """The forward contexts of one checkpointed region, kept on its ``_CheckpointFrame``.
 
-    __slots__ = ("contexts", "any_autocast", "any_replay", "input_move_devices", "recompute_fn")
+    While the region runs forward, its records are the region's entry on the thread's
+    frame stack. Built by ``_attach_records`` without an ``__init__`` of its own: a
+    Python-level call per region is a measurable part of what checkpointing costs here.
+    """
 
-    def __init__(self, recompute_fn: Callable) -> None:
-        self.contexts: dict[Any, list[ForwardContext]] = {}
-        self.any_autocast = False  # some module forward in the region ran under autocast
-        self.any_replay = False  # some module forward's context is not _PLAIN_FORWARD
-        self.input_move_devices: tuple[torch.device, ...] = ()  # where root input moves in the region went
-        self.recompute_fn = recompute_fn  # the frame's, which knows the checkpoint's preserve_rng_state
+    any_autocast = False  # some module forward in the region ran under autocast
+    any_replay = False  # some module forward's context is not _PLAIN_FORWARD
+    input_move_devices: tuple[torch.device, ...] = ()  # where root input moves in the region went
+    contexts: dict[Any, list[ForwardContext]]  # per module, in call order
+    hook: Any  # the region's _checkpoint_hook
+    recompute_fn: Callable  # the frame's, which knows the checkpoint's preserve_rng_state
 
 
 _RECORDS_ATTR = "_torch_fsdp_ext_records"
-
-
-class _ForwardFrame:
-    """A ``_checkpoint_hook`` that is active: the original forward of one region."""
-
-    __slots__ = ("hook", "records")
-
-    def __init__(self, hook: Any, records: FrameRecords) -> None:
-        self.hook = hook
-        self.records = records
 
 
 class _Replay(NamedTuple):
@@ -154,8 +147,48 @@ class _ActiveFrames(threading.local):
     """
 
     def __init__(self) -> None:
-        self.stack: list[_ForwardFrame | _RecomputeFrame] = []
+        self.stack: list[FrameRecords | _RecomputeFrame] = []
         self.recompute: _RecomputeFrame | None = None
+
+
+class _HookSwitch:
+    """Counts the frames on the stacks of all threads; where it can, puts the wrappers of
+    FSDP's pre/post-forward in place only while there is one.
+
+    Note: why switch. FSDP's hooks run for every module forward, most of them
+    in no checkpointed region, where the replay has nothing to do. Torch
+    decorates ``FSDPState._pre_forward``/``_post_forward`` for dynamo with a
+    wrapper that calls the undecorated method through a closure cell; that
+    decorated function is what every module's hooks are bound to, including
+    grouped ``fully_shard([a, b])`` closures and modules sharded before
+    ``install()``. Setting the cell to our wrapper while some thread has a frame,
+    and back to torch's method when the last one ends, makes every other forward
+    run exactly torch's code, and needs no hook re-bound. Where torch's method has
+    no such cell, the wrappers replace the class attributes for as long as the fix
+    is installed, and test ``frames_anywhere`` first (one list read).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        # One entry per frame on any thread's stack: append/pop are atomic under the GIL.
+        self.frames_anywhere: list[None] = []
+        self.cells: list[list] = []  # [cell, torch's method, our wrapper]
+
+    def add_cell(self, cell: Any, wrapper: Callable) -> None:
+        self.cells.append([cell, cell.cell_contents, wrapper])
+
+    # Note: ``push`` and ``pop`` run once per checkpointed region, and a Python call costs
+    # about as much as their work: the wrappers of the region's forward inline them.
+    def push(self) -> None:
+        with self.lock:
+            self.frames_anywhere.append(None)
+            if len(self.frames_anywhere) == 1:
+                for cell, _, wrapper in self.cells:
+                    cell.cell_contents = wrapper
+
+    def restore(self) -> None:
+        for cell, original, _ in self.cells:
+            cell.cell_contents = original
 
 
 class RecomputeReplay:
@@ -168,6 +201,7 @@ class RecomputeReplay:
         self.internals = internals
         self.active = False
         self.frames = _ActiveFrames()
+        self.switch = _HookSwitch()
         # What this release already replays by itself (probed once, cached).
         self.upstream_casts_inputs = bool(_compat.probe_recompute_casts_inputs())
         self.upstream_casts_outputs = bool(_compat.probe_recompute_casts_outputs())
@@ -204,6 +238,11 @@ class RecomputeReplay:
             ("FSDPState._pre_forward", "FSDPState._post_forward", "checkpoint_hook", "recomputation_hook"),
         )
 
+    @property
+    def switches_hooks(self) -> bool:
+        """The pre/post-forward wrappers are in place only while a checkpoint frame is (``_HookSwitch``)."""
+        return bool(self.switch.cells)
+
     # -- install ---------------------------------------------------------------
 
     def install(self, patches: PatchSet) -> None:
@@ -214,12 +253,20 @@ class RecomputeReplay:
         patches.wrap(internals.recomputation_hook, "__enter__", self._wrap_recompute_enter)
         patches.wrap(internals.checkpoint_hook, "__exit__", self._wrap_exit)
         patches.wrap(internals.recomputation_hook, "__exit__", self._wrap_exit)
-        # Decorated as FSDP decorates the originals: dynamo skips (or traces) both alike.
-        patches.wrap(internals.FSDPState, "_pre_forward", self._wrap_pre_forward, as_decorated=True)
-        patches.wrap(internals.FSDPState, "_post_forward", self._wrap_post_forward, as_decorated=True)
+        pre, post = internals.FSDPState.__dict__["_pre_forward"], internals.FSDPState.__dict__["_post_forward"]
+        pre_cell, post_cell = _compat.decorated_method_cell(pre), _compat.decorated_method_cell(post)
+        if pre_cell is not None and post_cell is not None:
+            self.switch.add_cell(pre_cell, self._wrap_pre_forward(pre_cell.cell_contents))
+            self.switch.add_cell(post_cell, self._wrap_post_forward(post_cell.cell_contents))
+            patches.on_restore(self.switch.restore)
+        else:
+            # Decorated as FSDP decorates the originals: dynamo skips (or traces) both alike.
+            patches.wrap(internals.FSDPState, "_pre_forward", self._wrap_pre_forward, as_decorated=True)
+            patches.wrap(internals.FSDPState, "_post_forward", self._wrap_post_forward, as_decorated=True)
         _warn_if_dynamo_traces(internals.FSDPState.__dict__["_pre_forward"])
         self.active = True
-        self.rebind_existing_hooks(patches)
+        if not self.switches_hooks:
+            self.rebind_existing_hooks(patches)
 
     def rebind_existing_hooks(self, patches: PatchSet) -> None:
         """Reach modules sharded before ``install()``.
@@ -248,7 +295,7 @@ class RecomputeReplay:
     # -- checkpoint frames -----------------------------------------------------
 
     def _wrap_forward_enter(self, original: Callable) -> Callable:
-        frames = self.frames
+        frames, lock, frames_anywhere, cells = self.frames, self.switch.lock, self.switch.frames_anywhere, self.switch.cells
         fix = self
 
         @wraps(original)
@@ -256,13 +303,18 @@ class RecomputeReplay:
             result = original(hook)
             records = hook.__dict__.get(_RECORDS_ATTR)  # set by _attach_records
             if records is not None and fix.active:
-                frames.stack.append(_ForwardFrame(hook, records))
+                frames.stack.append(records)
+                with lock:  # _HookSwitch.push
+                    frames_anywhere.append(None)
+                    if len(frames_anywhere) == 1:
+                        for cell, _, wrapper in cells:
+                            cell.cell_contents = wrapper
             return result
 
         return __enter__
 
     def _wrap_recompute_enter(self, original: Callable) -> Callable:
-        frames = self.frames
+        frames, switch = self.frames, self.switch
         fix = self
         device_types = _autocast_device_types()
         # Checkpoint restores the forward's CPU autocast itself, so an autocast the backward runs
@@ -294,18 +346,25 @@ class RecomputeReplay:
                 entry.device_rng_on_entry = {d: _compat.device_rng_state(d) for d in records.input_move_devices}
             frames.recompute = entry
             frames.stack.append(entry)
+            switch.push()
             return result
 
         return __enter__
 
     def _wrap_exit(self, original: Callable) -> Callable:
-        frames = self.frames
+        frames, lock, frames_anywhere, cells = self.frames, self.switch.lock, self.switch.frames_anywhere, self.switch.cells
 
         @wraps(original)
         def __exit__(hook: Any, exc_type: Any, exc_value: Any, traceback: Any) -> Any:
-            stack = frames.stack
+            stack = frames.stack if frames_anywhere else None
             if stack:
                 entry = stack.pop() if stack[-1].hook is hook else _remove_entry(stack, hook)
+                if entry is not None:
+                    with lock:
+                        frames_anywhere.pop()
+                        if not frames_anywhere:
+                            for cell, original_method, _ in cells:
+                                cell.cell_contents = original_method
                 if type(entry) is _RecomputeFrame:
                     frames.recompute = entry.outer
                     if entry.open:
@@ -322,12 +381,14 @@ class RecomputeReplay:
     # -- FSDP pre/post-forward -------------------------------------------------
 
     def _wrap_pre_forward(self, original: Callable) -> Callable:
-        frames = self.frames
+        frames, frames_anywhere = self.frames, self.switch.frames_anywhere
         fix = self
         pre_backward = self.internals.TrainingState.PRE_BACKWARD
 
         @wraps(original)
         def _pre_forward(state: Any, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if not frames_anywhere:
+                return original(state, module, args, kwargs)
             stack = frames.stack
             if not stack or not fix.active:
                 return original(state, module, args, kwargs)
@@ -352,7 +413,7 @@ class RecomputeReplay:
                 for entry in reversed(stack):
                     if entry is recompute:
                         break
-                    records = entry.records
+                    records = entry
                     contexts = records.contexts.get(module)
                     if contexts is None:
                         records.contexts[module] = [context]
@@ -367,10 +428,12 @@ class RecomputeReplay:
         return _pre_forward
 
     def _wrap_post_forward(self, original: Callable) -> Callable:
-        frames = self.frames
+        frames, frames_anywhere = self.frames, self.switch.frames_anywhere
 
         @wraps(original)
         def _post_forward(state: Any, module: Any, input: Any, output: Any) -> Any:
+            if not frames_anywhere:
+                return original(state, module, input, output)
             recompute = frames.recompute
             if recompute is None or not recompute.open or recompute.open[-1].module is not module:
                 return original(state, module, input, output)
@@ -405,7 +468,7 @@ class RecomputeReplay:
         for entry in reversed(stack):
             if entry is recompute:
                 break
-            records = entry.records
+            records = entry
             if device not in records.input_move_devices:
                 records.input_move_devices += (device,)
         return context._replace(moved_to=device, device_rng_state=_compat.device_rng_state(device))
@@ -534,7 +597,8 @@ def _attach_records(original: Callable) -> Callable:
     def __init__(hook: Any, frame: Any, *args: Any, **kwargs: Any) -> None:
         original(hook, frame, *args, **kwargs)
         # Torch gives each frame one checkpoint hook: this is where the frame's records start.
-        hook.__dict__[_RECORDS_ATTR] = frame.__dict__[_RECORDS_ATTR] = FrameRecords(frame.recompute_fn)
+        records = hook.__dict__[_RECORDS_ATTR] = frame.__dict__[_RECORDS_ATTR] = FrameRecords()
+        records.contexts, records.hook, records.recompute_fn = {}, hook, frame.recompute_fn
 
     return __init__
 
@@ -548,7 +612,7 @@ def _find_records(original: Callable) -> Callable:
     return __init__
 
 
-def _remove_entry(stack: list, hook: Any) -> _ForwardFrame | _RecomputeFrame | None:
+def _remove_entry(stack: list, hook: Any) -> FrameRecords | _RecomputeFrame | None:
     """Remove and return ``hook``'s entry below the top of the stack (a region whose forward ended late)."""
     for i in range(len(stack) - 2, -1, -1):
         if stack[i].hook is hook:
