@@ -292,6 +292,7 @@ def main() -> int:
     parser.add_argument("--world", type=int, choices=[1, 2], action="append", help="world size(s); default 1 and 2")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the per-wrapper breakdown")
     parser.add_argument("--no-mixed", action="store_true", help="skip preserve/upcast on the mixed-dtype model")
+    parser.add_argument("--no-aa", action="store_true", help="count each configuration once (no A/A control)")
     parser.add_argument("--quick", action="store_true", help="CI: world 1, no checkpoint, 2 steps, one count each")
     parser.add_argument("--functions", type=int, default=0, metavar="N",
                         help="also print the N functions whose instructions the plugin changes most (callgrind)")
@@ -325,9 +326,10 @@ def main() -> int:
         configs, rows = [], []
         for checkpoint in checkpoints:
             configs += [config(checkpoint, None), config(checkpoint, "upcast")]
-            if not args.quick:  # each again, in a process of its own: the A/A controls
+            if not args.quick and not args.no_aa:  # each again, in a process of its own: the A/A controls
                 configs += [config(checkpoint, None), config(checkpoint, "upcast")]
-        if not args.quick and not args.no_mixed:
+        mixed = not args.quick and not args.no_mixed and world == worlds[0]
+        if mixed:
             configs += [config(False, None, "mixed, model.float()"), config(False, "upcast", "mixed", built="upcast"),
                         config(False, "preserve", "mixed", built="preserve")]
         groups = [] if args.quick or args.no_breakdown or world != 1 else list(WRAPPER_GROUPS)
@@ -373,7 +375,7 @@ def main() -> int:
             print(function_table(functions_of[json.dumps(config(checkpoint, None), sort_keys=True)],
                                  functions_of[json.dumps(config(checkpoint, "upcast"), sort_keys=True)],
                                  steps, args.functions))
-        if not args.quick and not args.no_mixed:
+        if mixed:
             base = of(False, None, "mixed, model.float()")
             mixed_rows = [[strategy, f"{of(False, strategy, 'mixed', built=strategy):,.0f}",
                            f"{of(False, strategy, 'mixed', built=strategy) - base:+,.0f}",
