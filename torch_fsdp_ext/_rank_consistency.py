@@ -122,16 +122,21 @@ class RankConsistency:
         with self._settled_lock:
             if self._installed:  # not a wrapper call that began before uninstall()
                 self._torch_lazy_init = original
-                state.__dict__["_lazy_init"] = types.MethodType(original, state)
+                # An instance attribute, set as FSDP sets its own (state.__dict__ would cost
+                # every later attribute access on the state: _compat.param_groups_of).
+                state._lazy_init = types.MethodType(original, state)
                 self._settled.add(state)
 
     def unsettle(self) -> None:
         """Send every state's ``_lazy_init`` through the wrapper again."""
         with self._settled_lock:
             for state in list(self._settled):
-                bound = state.__dict__.get("_lazy_init")
+                bound = getattr(state, "_lazy_init", None)
                 if isinstance(bound, types.MethodType) and bound.__func__ is self._torch_lazy_init:
-                    del state.__dict__["_lazy_init"]
+                    try:
+                        del state._lazy_init
+                    except AttributeError:  # torch's own method on the class: nothing was set
+                        pass
             self._settled.clear()
 
     def _uninstalled(self) -> None:

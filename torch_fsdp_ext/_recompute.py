@@ -301,7 +301,7 @@ class RecomputeReplay:
         @wraps(original)
         def __enter__(hook: Any) -> Any:
             result = original(hook)
-            records = hook.__dict__.get(_RECORDS_ATTR)  # set by _attach_records
+            records = getattr(hook, _RECORDS_ATTR, None)  # set by _attach_records
             if records is not None and fix.active:
                 frames.stack.append(records)
                 with lock:  # _HookSwitch.push
@@ -325,7 +325,7 @@ class RecomputeReplay:
         @wraps(original)
         def __enter__(hook: Any) -> Any:
             result = original(hook)
-            records = hook.__dict__.get(_RECORDS_ATTR)  # set by _find_records
+            records = getattr(hook, _RECORDS_ATTR, None)  # set by _find_records
             # No record: no FSDP module ran forward in this region (nor in checkpoints nested in it), so
             # none runs in its recomputation either; e.g. checkpoint_wrapper applied inside an FSDP unit.
             if records is None or not records.contexts or not fix.active:
@@ -597,7 +597,10 @@ def _attach_records(original: Callable) -> Callable:
     def __init__(hook: Any, frame: Any, *args: Any, **kwargs: Any) -> None:
         original(hook, frame, *args, **kwargs)
         # Torch gives each frame one checkpoint hook: this is where the frame's records start.
-        records = hook.__dict__[_RECORDS_ATTR] = frame.__dict__[_RECORDS_ATTR] = FrameRecords()
+        # setattr, not __dict__: a hook's attributes stay in CPython's inline values (_compat.param_groups_of).
+        records = FrameRecords()
+        setattr(hook, _RECORDS_ATTR, records)
+        setattr(frame, _RECORDS_ATTR, records)
         records.contexts, records.hook, records.recompute_fn = {}, hook, frame.recompute_fn
 
     return __init__
@@ -607,7 +610,7 @@ def _find_records(original: Callable) -> Callable:
     @wraps(original)
     def __init__(hook: Any, target_frame_ref: Any, *args: Any, **kwargs: Any) -> None:
         original(hook, target_frame_ref, *args, **kwargs)
-        hook.__dict__[_RECORDS_ATTR] = target_frame_ref().__dict__.get(_RECORDS_ATTR)
+        setattr(hook, _RECORDS_ATTR, getattr(target_frame_ref(), _RECORDS_ATTR, None))
 
     return __init__
 
