@@ -233,8 +233,9 @@ class GroupKeeper:
     """The wrappers of ``_init_mp_dtypes`` and of the reduce path, shared by the installed fix
     and by the ``preserve`` groups that are still alive after ``uninstall()``.
 
-    Note: the reduce path is wrapped only while a group that stays mixed is alive
-    (on releases whose reduce casts one dtype for the whole group): it runs once per
+    Note: the reduce path is wrapped only while a group whose gradients come in
+    several dtypes is alive (``preserve``, or a per-parameter compute dtype; on releases
+    whose reduce casts one dtype for the whole group): it runs once per
     group per backward, and a model without such a group would pay for it for nothing.
     """
 
@@ -309,7 +310,6 @@ class GroupKeeper:
             if fix is not None:
                 fix.ranks.note_layout(group)
             if decision.stays_mixed:
-                keeper.keep(group)
                 _compat.init_mp_dtypes_of_mixed_group(original, group)
             else:
                 _compat.forget_mixed_group(group)
@@ -318,6 +318,8 @@ class GroupKeeper:
                 else:
                     original(group)
             _compute_dtype.at_lazy_init(group)
+            if _compat.is_mixed_group(group):  # preserve, or gradients computed in several dtypes
+                keeper.keep(group)
 
         return _init_mp_dtypes
 
