@@ -432,6 +432,9 @@ def measure_scaling(world_sizes: list[int], reps: int) -> list[list]:
         dist.init_process_group("fake", store=FakeStore(), rank=world - 1, world_size=world)
         for strategy in ("upcast", "preserve"):
             torch_fsdp_ext.uninstall()
+            # The plugin wraps the reduce path while a mixed group lives: collect the previous
+            # configuration's models (FSDP's module/state cycles) so that none is.
+            gc.collect()
             reference = first_and_steady(mixed_model(plugin_on=False))
             torch_fsdp_ext.install(dtype_strategy=strategy)
             model = mixed_model(plugin_on=True)
@@ -440,6 +443,7 @@ def measure_scaling(world_sizes: list[int], reps: int) -> list[list]:
             empty_shards = sum(1 for p in model.parameters() if p.to_local().numel() == 0)
             rows.append([world, strategy, len(fp32), empty_shards, reference[0] * 1e3, patched[0] * 1e3,
                          reference[1] * 1e3, patched[1] * 1e3, patched[2], patched[3], fp32])
+            del model
             torch_fsdp_ext.uninstall()
     dist.destroy_process_group()
     return rows

@@ -1,8 +1,9 @@
 """Instructions the plugin adds per FSDP forward, counted by callgrind: deterministic where time is not.
 
-    python tools/bench_instructions.py                # world 1 and 2, no / per-block checkpoint, mixed model,
-                                                      # per-wrapper breakdown; bounds checked (exit 1 if missed)
-    python tools/bench_instructions.py --world 1 --no-breakdown --no-mixed   # the four counts of one world size
+    python tools/bench_instructions.py                # world 1 and 2, no / per-block checkpoint, A/A repeats,
+                                                      # mixed model, per-wrapper breakdown; exit 1 on a missed bound
+    python tools/bench_instructions.py --world 1 --no-aa --no-breakdown --no-mixed   # the four counts of world 1
+    python tools/bench_instructions.py --functions 25 # also the C functions whose counts the plugin changes most
     python tools/bench_instructions.py --quick        # CI form: world 1, no checkpoint, 2 steps; bound checked
     python tools/bench_instructions.py --bytecodes    # no valgrind, seconds: the plugin's Python bytecodes per step
 
@@ -19,7 +20,8 @@ the model, sets the plugin's state and warms up, its statement runs the counted
 steps. Counted within one process one after the other, configurations differ by
 ~250k instructions per step in 18 M (allocator state, address-keyed hashing),
 more than the plugin adds; fresh processes repeat to a few hundred. The unpatched
-and patched counts are each taken twice: the A/A column is the larger spread.
+and patched counts are each taken twice (not with ``--no-aa``): the A/A column is
+the larger spread.
 
 Note: world size 2 runs on torch's fake process group (collectives move no data):
 FSDP shards as on two ranks and the plugin's per-forward paths are the same as on

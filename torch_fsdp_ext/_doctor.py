@@ -146,11 +146,13 @@ def _rank_main(rank: int, backend: Backend, strategy: str, init_file: str, resul
         dist.barrier()  # every rank done with gloo before any rank tears it down
     except Exception:  # noqa: BLE001
         results["error"] = traceback.format_exc()
-    finally:
-        dist.destroy_process_group()
+    # Note: the report is written before the teardown. A gloo job on CPU can abort while
+    # it tears down (docs/reliability.md, "abort at exit"); the scenarios are over by then.
     if rank == 0:
-        with open(result_file, "w") as f:
+        with open(result_file + ".part", "w") as f:
             json.dump(results, f)
+        os.replace(result_file + ".part", result_file)
+    dist.destroy_process_group()
 
 
 def run_self_test(backend: Backend, strategy: str, timeout: float = 120.0) -> dict:
@@ -163,13 +165,22 @@ def run_self_test(backend: Backend, strategy: str, timeout: float = 120.0) -> di
             start_method="spawn", join=False,
         )
         deadline = time.monotonic() + timeout
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                return {"error": f"self-test did not finish within {timeout:.0f} s"}
+        teardown = None
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+                    return {"error": f"self-test did not finish within {timeout:.0f} s"}
+        except mp.ProcessExitedException as e:
+            if not os.path.exists(result_file):
+                return {"error": f"a self-test rank died before the scenarios ended: {e}"}
+            teardown = f"{e} after every rank finished the scenarios (gloo teardown; see docs/reliability.md)"
         with open(result_file) as f:
-            return json.load(f)
+            results = json.load(f)
+        if teardown is not None:
+            results["teardown"] = teardown
+        return results
 
 
 # -- report --------------------------------------------------------------------------
@@ -237,4 +248,6 @@ def doctor(world_size: int = 2) -> int:
     rows, healthy = fix_rows(report, outcomes)
     print(format_table(rows))
     print("\n".join(LEGEND))
+    if "teardown" in outcomes:
+        print(f"note: {outcomes['teardown']}")
     return 0 if healthy else 1
