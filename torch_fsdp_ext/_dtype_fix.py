@@ -318,7 +318,7 @@ class GroupKeeper:
                 else:
                     original(group)
             _compute_dtype.at_lazy_init(group)
-            if _compat.is_mixed_group(group):  # preserve, or gradients computed in several dtypes
+            if decision.stays_mixed or _compat.is_mixed_group(group):  # preserve, or several compute dtypes
                 keeper.keep(group)
 
         return _init_mp_dtypes
