@@ -22,6 +22,13 @@ from torch.testing._internal.common_distributed import MultiProcessTestCase
 import torch_fsdp_ext
 from torch_fsdp_ext import _compat
 
+# Note: one intra-op thread in the pytest process, set before it runs any op. On CPU the
+# ranks are forked from it (FSDPExtTestCase), and a thread pool (OpenMP's, MKL's) that the
+# parent started does not survive a fork: its threads are not in the child, its state is.
+# Changing the thread count inside a forked child is no cure (it can hang on that state).
+# Forked ranks inherit the setting; they share two cores anyway.
+torch.set_num_threads(1)
+
 # The public FSDP2 API wherever this release exports it (torch.distributed.fsdp from 2.6).
 CPUOffloadPolicy = _compat.fsdp2_api().CPUOffloadPolicy
 MixedPrecisionPolicy = _compat.fsdp2_api().MixedPrecisionPolicy
@@ -79,12 +86,6 @@ class FSDPExtTestCase(MultiProcessTestCase):
         backend = "nccl" if use_nccl(self.world_size) else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(self.rank)
-        else:
-            # Note: one intra-op thread per forked rank. The pytest process may have run OpenMP
-            # parallel regions before it forked this rank, and OpenMP's thread pool does not
-            # survive a fork (its worker threads are not in the child); with one thread no
-            # parallel region starts. The ranks share two cores anyway.
-            torch.set_num_threads(1)
         timeout = {} if self.PG_TIMEOUT is None else {"timeout": self.PG_TIMEOUT}
         dist.init_process_group(
             backend, init_method=f"file://{self.file_name}", rank=self.rank, world_size=self.world_size, **timeout
