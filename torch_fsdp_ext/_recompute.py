@@ -169,7 +169,10 @@ class _HookSwitch:
     """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Note: re-entrant. A region whose forward raised ends when the garbage collector
+        # closes its generator, which can happen at any allocation, also inside push or pop
+        # on the same thread (a plain Lock deadlocked there: the ranks of a test hung).
+        self.lock = threading.RLock()
         # One entry per frame on any thread's stack: append/pop are atomic under the GIL.
         self.frames_anywhere: list[None] = []
         self.cells: list[list] = []  # [cell, torch's method, our wrapper]
