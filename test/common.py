@@ -22,13 +22,6 @@ from torch.testing._internal.common_distributed import MultiProcessTestCase
 import torch_fsdp_ext
 from torch_fsdp_ext import _compat
 
-# Note: one intra-op thread in the pytest process, set before it runs any op. On CPU the
-# ranks are forked from it (FSDPExtTestCase), and a thread pool (OpenMP's, MKL's) that the
-# parent started does not survive a fork: its threads are not in the child, its state is.
-# Changing the thread count inside a forked child is no cure (it can hang on that state).
-# Forked ranks inherit the setting; they share two cores anyway.
-torch.set_num_threads(1)
-
 # The public FSDP2 API wherever this release exports it (torch.distributed.fsdp from 2.6).
 CPUOffloadPolicy = _compat.fsdp2_api().CPUOffloadPolicy
 MixedPrecisionPolicy = _compat.fsdp2_api().MixedPrecisionPolicy
