@@ -268,6 +268,10 @@ class TestStaleKeys(TestCase):
         Before: the second incarnation read the first one's keys (false ``ranks disagree``), and a
         restarted attempt counted with the failed attempt's keys.
         """
+        # Note: the server must die in this process. Left in cyclic garbage (closures, exception
+        # tracebacks), it is collected in whichever process collects next: a rank forked from
+        # pytest then joins a server thread that only exists here, and hangs (seen in test_recompute).
+        self.addCleanup(gc.collect)
         server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
 
         def compare(me: int, payload: str, *, conclude: bool = True) -> None:
