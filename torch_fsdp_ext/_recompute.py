@@ -180,8 +180,9 @@ class _HookSwitch:
     def add_cell(self, cell: Any, wrapper: Callable) -> None:
         self.cells.append([cell, cell.cell_contents, wrapper])
 
-    # Note: ``push`` and ``pop`` run once per checkpointed region, and a Python call costs
-    # about as much as their work: the wrappers of the region's forward inline them.
+    # Note: a push and a pop run once per checkpointed region, and a Python call costs about
+    # as much as their work: the region's forward-enter and exit wrappers inline them; only a
+    # recomputation that replays calls this method.
     def push(self) -> None:
         with self.lock:
             self.frames_anywhere.append(None)
