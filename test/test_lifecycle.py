@@ -22,7 +22,7 @@ import unittest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict, set_state_dict
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_fsdp_ext
@@ -88,9 +88,11 @@ class TestLifecycle(FSDPExtTestCase):
             model = shard_model(seed_000_model(), mp_policy=MP)
             self.assertIn(torch.bfloat16, {p.dtype for p in model.parameters()})
         with plugin(True):
-            self.assertEqual({p.dtype for p in model.parameters()}, {torch.float32})  # at install(), no forward yet
+            self.assertIn(torch.bfloat16, {p.dtype for p in model.parameters()})  # install() casts nothing
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            get_state_dict(model, optimizer)  # a step-0 save creates the optimizer state
+            # A step-0 save: the model's state_dict() upcasts it, before the optimizer state is created.
+            get_state_dict(model, optimizer)
+            self.assertEqual({p.dtype for p in model.parameters()}, {torch.float32})
             set_state_dict(model, optimizer, model_state_dict=checkpoint[0], optim_state_dict=checkpoint[1])
             losses = train_steps(model, optimizer, self.rank, range(1, 3))
         self.assertEqual(losses, expected_losses, atol=0, rtol=0)
@@ -108,23 +110,26 @@ class TestLifecycle(FSDPExtTestCase):
                 train_steps(early, early_optimizer, self.rank, range(1))
             self.assertIn("layers.0.wq.weight: bfloat16 -> float32, state exp_avg, exp_avg_sq still bfloat16",
                           str(caught.exception))
-            # ... and one whose dtype the user changed after fully_shard, upcast at its first forward.
-            model = shard_model(seed_000_model().float(), mp_policy=MP)
-            model.layers[1].wq.to(torch.bfloat16)
+            # ... and one whose optimizer state was made on its own, before the model's upcast at its first forward.
+            model = shard_model(seed_000_model(1), mp_policy=MP)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            get_state_dict(model, optimizer)
+            get_optimizer_state_dict(model, optimizer)
             tokens = batch(self.rank)
             lm_loss(model(tokens), tokens).backward()
             before = full_params(model)
             with self.assertRaises(MixedParamDtypeError) as caught:
                 optimizer.step()
             assert_same_params(self, full_params(model), before)  # raised before the optimizer ran
+        lines = str(caught.exception).splitlines()
         self.assertExpectedInline(
-            str(caught.exception),
+            "\n".join([lines[0], *[line for line in lines if "layers.1.w" in line], lines[-1]]),
             """\
-torch_fsdp_ext: this optimizer holds state made before the plugin upcast these parameters after fully_shard (for fp32 master weights); a checkpoint loaded into them before the upcast was rounded to their old dtype:
+torch_fsdp_ext: this optimizer holds state made before the plugin upcast these parameters to fp32 master weights; optimizer state loaded into it before the upcast was rounded to their old dtype:
   layers.1.wq.weight: bfloat16 -> float32, state exp_avg, exp_avg_sq still bfloat16
-Fix: install the plugin (import torch_fsdp_ext) before building the optimizer and before loading a checkpoint (install() upcasts the groups that exist then), and change parameter dtypes before fully_shard; then build the optimizer and load the checkpoint again.""",
+  layers.1.wo.weight: bfloat16 -> float32, state exp_avg, exp_avg_sq still bfloat16
+  layers.1.w1.weight: bfloat16 -> float32, state exp_avg, exp_avg_sq still bfloat16
+  layers.1.w2.weight: bfloat16 -> float32, state exp_avg, exp_avg_sq still bfloat16
+Fix: the plugin upcasts a model at its first forward or its first state_dict()/load_state_dict(); save and load the optimizer together with the model (get_state_dict(model, optimizer), set_state_dict(...)) or after a forward, then build the optimizer and load its state again.""",
         )
         # Without the check, the step fails inside AdamW on the stale state.
         from torch_fsdp_ext import _optimizer_state

@@ -196,6 +196,60 @@ def fsdp_states() -> list[Any]:
 is_root_flag: Callable[[Any], bool | None] = operator.attrgetter("_is_root")
 
 
+def fsdp_state_of(module: torch.nn.Module) -> Any:
+    """The ``FSDPState`` that ``fully_shard`` gave ``module``, or None."""
+    internals = load_internals()
+    entry = internals.module_state_mapping.get(module)
+    state = entry() if isinstance(entry, weakref.ref) else entry
+    return state if isinstance(state, internals.FSDPState) else None
+
+
+def fsdp_states_under(root: torch.nn.Module) -> list[Any]:
+    """The FSDP states in ``root``'s module tree, outermost first: what ``root``'s lazy init makes its own."""
+    states, seen = [], set()
+    for module in root.modules():
+        state = fsdp_state_of(module)
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            states.append(state)
+    return states
+
+
+def root_module_of(state: Any) -> torch.nn.Module | None:
+    """The module a state's lazy init would make the root of its tree (None: FSDP refuses several)."""
+    modules = getattr(state, "_modules", ())
+    return modules[0] if len(modules) == 1 else None
+
+
+def user_class_name(module: torch.nn.Module) -> str:
+    """The module's own class name: ``fully_shard`` swaps in a generated ``FSDP<Name>`` subclass."""
+    cls = type(module)
+    for base in cls.__bases__:
+        if cls.__name__ == "FSDP" + base.__name__:
+            return base.__name__
+    return cls.__name__
+
+
+def current_module_param(fsdp_param: Any) -> torch.nn.Parameter:
+    """The parameter the module holds now: ``load_state_dict(assign=True)`` replaces the object
+    ``FSDPParam.sharded_param`` refers to until FSDP's lazy init picks up the new one."""
+    info = fsdp_param._module_info
+    return getattr(info.module, info.param_name)
+
+
+def sync_sharded_param(fsdp_param: Any) -> None:
+    """What FSDP's lazy init does first (``reset_sharded_param``), for a replaced parameter only."""
+    if current_module_param(fsdp_param) is not fsdp_param.sharded_param:
+        fsdp_param.reset_sharded_param()
+
+
+def local_tensor_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a slot, not in ``__dict__``), else the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 def half_initialised_roots() -> list[tuple[list[Any], list[str]]]:
     """The modules of root states whose first lazy init raised part-way, with the groups it left unfinished.
 

@@ -291,6 +291,12 @@ def after_sharding(group: Any, overrides: GroupOverrides) -> None:
             _add_boundary_casts(module, dtype, overrides.policy.param_dtype)
 
 
+def compute_in(group: Any, fsdp_param: Any, dtype: torch.dtype) -> None:
+    """Before the group's lazy init: ``fsdp_param`` is all-gathered and computes in ``dtype``."""
+    fsdp_param.mp_policy = dataclasses.replace(_compat.param_mp_policy(group, fsdp_param), param_dtype=dtype)
+    fsdp_param.__dict__[_COMPUTE_ATTR] = dtype
+
+
 def at_lazy_init(group: Any) -> None:
     """Before 2.15: the overridden parameters' ``param_dtype``, and one reduce for mixed gradient dtypes."""
     overridden = [p for p in group.fsdp_params if _COMPUTE_ATTR in p.__dict__]

@@ -6,30 +6,45 @@ original dtype:
 
     AssertionError: FSDP expects uniform original parameter dtype but got {torch.bfloat16, torch.float32}
 
-Two hooks hand a mixed group to the chosen strategy (``_dtype_strategies.py``):
+The chosen strategy (``_dtype_strategies.py``) gets the model at two moments:
 
-- before ``FSDPParamGroup.__init__`` shards anything (the cheapest moment to cast);
-- right before ``_init_mp_dtypes`` (lazy init, first forward), which also catches
-  dtype changes made after ``fully_shard``.
+- ``upcast``: once per model (the root's module tree), at the moment of Note [Upcast moment];
+- every strategy: right before each group's ``_init_mp_dtypes`` (lazy init, first
+  forward), which also catches dtype changes made after that.
 
-Groups built before ``install()`` are handed to the strategy by ``install()`` itself.
-
-The ``__init__`` hook also resolves ``MixedPrecisionPolicy.param_dtype_override_fn`` on
-the parameters as loaded, before any cast, and the lazy-init hook applies it
-(``_compute_dtype.py``).
+The ``FSDPParamGroup.__init__`` hook resolves ``MixedPrecisionPolicy.param_dtype_override_fn``
+on the parameters as loaded (``_compute_dtype.py``) and registers the state-dict hooks of
+the upcast moment; it casts nothing.
 
 A group that stays mixed (``preserve``) passes FSDP's check through
 ``_compat.init_mp_dtypes_of_mixed_group``; on releases whose reduce-scatter casts
 the whole output to one dtype, ``_compat`` also wraps that path so that each
 parameter receives its gradient in its own dtype.
 
-Note: a group's strategy is decided once: at the first ``install()`` that finds
-the group already built (which also upcasts it right there, before an optimizer
-or a checkpoint load can see the old dtype), else at its first lazy init. It is
-kept on the group (``GroupDecision``), so a later ``install(dtype_strategy=...)``
-does not re-apply another strategy when FSDP re-runs ``_init_mp_dtypes`` from an
-explicit ``unshard()``; that re-run only handles what changed since (a dtype the
-user changed), with the group's own strategy.
+Note [Upcast moment]. A model is upcast at the first of: its root's first lazy init
+(first forward, or an explicit ``unshard()``), or the first ``state_dict()`` /
+``load_state_dict()`` of one of its FSDP modules while the model's trainable
+parameters hold data (not meta). Every loader that runs after ``fully_shard`` runs
+before the first forward, and each then sees, on every rank, what it would see
+without the plugin:
+- a loader that captured a state dict before ``fully_shard`` and broadcasts it
+  from rank 0 afterwards into buffers of the sharded parameters' dtypes on the
+  other ranks (accelerate's ``fsdp2_load_full_state_dict``) works on the meta
+  device: an upcast there (or inside ``fully_shard``) would pair rank 0's 2-byte
+  elements with 4-byte buffers, and the model would train on garbage;
+- a loader that reads into the model's own tensors (DCP, ``set_model_state_dict``)
+  asks for ``state_dict()`` or calls ``load_state_dict()`` on materialized
+  parameters first: upcast then, fp32 masters in the checkpoint are not rounded to
+  bf16 on the way in (an upcast at lazy init only would round them);
+- parameters that ``load_state_dict(assign=True)`` put in place are taken as FSDP's
+  lazy init takes them.
+The decision depends only on dtypes and ``requires_grad`` flags, the same on every rank.
+
+Note: a group's strategy is decided once: at the model's upcast moment or at its
+first lazy init. It is kept on the group (``GroupDecision``), so a later
+``install(dtype_strategy=...)`` does not re-apply another strategy when FSDP re-runs
+``_init_mp_dtypes`` from an explicit ``unshard()``; that re-run only handles what
+changed since (a dtype the user changed), with the group's own strategy.
 
 Note: after ``uninstall()`` a live ``preserve`` group still needs the wrappers of
 ``_init_mp_dtypes`` (``unshard()`` re-runs it) and, up to 2.14, of the reduce
@@ -49,8 +64,8 @@ from typing import Any, Callable
 import torch
 
 from . import _compat, _compute_dtype, _optimizer_state
-from ._dtype_plan import MixedParamDtypeError, ParamEntry, format_dtype, param_names, plan_group_dtypes
-from ._dtype_strategies import UPCAST_COST, make_strategy
+from ._dtype_plan import MixedParamDtypeError, ParamEntry, plan_group_dtypes
+from ._dtype_strategies import make_strategy
 from ._patching import PatchSet, wraps
 from ._rank_consistency import RankConsistency
 
@@ -64,6 +79,7 @@ class GroupDecision:
     strategy: Any  # the strategy in force when the group was decided
     layout: tuple | None  # (dtype, requires_grad) per parameter when last prepared; None: not prepared yet
     stays_mixed: bool = False
+    upcast: bool = False  # its model's upcast changed it
 
 
 def _layout(group: Any) -> tuple:
@@ -83,6 +99,7 @@ class DtypeFix:
         self.ranks = RankConsistency(internals, MixedParamDtypeError)
         self._patches: PatchSet | None = None
         self._refused: weakref.WeakSet = weakref.WeakSet()  # root modules whose forward now raises
+        self._hooked: weakref.WeakSet = weakref.WeakSet()  # groups whose modules have the state-dict hooks
 
     def set_strategy(self, name: str) -> None:
         self.strategy = make_strategy(name)
@@ -104,6 +121,8 @@ class DtypeFix:
     def install(self, patches: PatchSet) -> None:
         patches.wrap(self.internals.FSDPParamGroup, "__init__", self._wrap_init)
         self.ranks.install(patches)
+        # Note: wrapped after the rank check, so it runs first: the ranks compare the upcast layout.
+        patches.wrap(self.internals.FSDPState, "_lazy_init", self._wrap_root_lazy_init)
         _keeper.attach(self)
         self.refuse_half_initialised_models(patches)
         self._patches = patches
@@ -115,22 +134,69 @@ class DtypeFix:
         _optimizer_state.release()
 
     def decide_existing_groups(self) -> None:
-        """At install(): groups built before it that no strategy has decided yet are decided now.
-
-        An upcast happens right here, so that an optimizer built and a checkpoint loaded
-        after ``install()`` see the fp32 master weights.
-        """
+        """At install(): models sharded before it get the hooks of their upcast moment."""
         for state in _compat.fsdp_states():
+            if _compat.is_root_flag(state) is None:  # its lazy init has not run
+                for group in _compat.param_groups_of(state):
+                    self.hook_state_dicts(group, state._modules)
+
+    # -- the upcast moment (Note [Upcast moment]) -------------------------------------
+
+    def hook_state_dicts(self, group: Any, modules: tuple) -> None:
+        """Public module hooks, removed at uninstall(); a model's first hook to run decides it."""
+        if group in self._hooked:
+            return
+        self._hooked.add(group)
+        hook = functools.partial(_upcast_before_state_dict, weakref.ref(self))
+        for module in modules:
+            self._patches.add_handle(module.register_state_dict_pre_hook(hook))
+            self._patches.add_handle(module.register_load_state_dict_pre_hook(hook))
+
+    def upcast_model(self, root: torch.nn.Module) -> None:
+        """The ``upcast`` decision for the model under ``root``, made once for all its groups."""
+        groups = []
+        for state in _compat.fsdp_states_under(root):
             for group in _compat.param_groups_of(state):
-                if _DECISION_ATTR in group.__dict__:
-                    continue
-                # Note: only before the state's first lazy init; one that failed part-way is refused instead.
-                if self.strategy.name == "upcast" and _compat.is_root_flag(state) is None:
-                    try:
-                        _prepare(group, self.strategy)
-                    except MixedParamDtypeError:
-                        pass  # raised again, with FQNs, at the group's lazy init
-                group.__dict__[_DECISION_ATTR] = GroupDecision(self.strategy, None)
+                decision = group.__dict__.get(_DECISION_ATTR)
+                if decision is None:
+                    decision = group.__dict__[_DECISION_ATTR] = GroupDecision(self.strategy, None)
+                if decision.strategy.name == "upcast":
+                    groups.append(group)
+        if not groups:
+            return
+        names = {id(param): fqn for fqn, param in root.named_parameters(remove_duplicate=False)}
+        entries = []
+        for group in groups:
+            params = [(fsdp_param, _compat.current_module_param(fsdp_param)) for fsdp_param in group.fsdp_params]
+            if any(param.requires_grad and _compat.local_tensor_of(param).is_meta for _, param in params):
+                return  # not loaded yet: a later moment decides (FSDP's lazy init refuses meta parameters)
+            entries.append((group, [
+                ParamEntry(names.get(id(param)) or _compat.fsdp_param_name(fsdp_param, i), param, fsdp_param)
+                for i, (fsdp_param, param) in enumerate(params)
+            ]))
+        already = any(group.__dict__[_DECISION_ATTR].upcast for group in groups)
+        if not already and not any(plan_group_dtypes(group_entries).is_mixed for _, group_entries in entries):
+            return  # FSDP takes this model as it is
+        for group in self.strategy_of(groups[0]).upcast_model(entries, _compat.user_class_name(root)):
+            group.__dict__[_DECISION_ATTR].upcast = True
+
+    @staticmethod
+    def strategy_of(group: Any) -> Any:
+        return group.__dict__[_DECISION_ATTR].strategy
+
+    def _wrap_root_lazy_init(self, original: Callable) -> Callable:
+        fix = self
+        is_root_flag = _compat.is_root_flag
+
+        @wraps(original)
+        def _lazy_init(state: Any) -> None:
+            if is_root_flag(state) is None and fix.active:
+                root = _compat.root_module_of(state)
+                if root is not None:
+                    fix.upcast_model(root)
+            return original(state)
+
+        return _lazy_init
 
     def refuse_half_initialised_models(self, patches: PatchSet) -> None:
         """A model whose first forward failed in FSDP's lazy init (before this fix, or under
@@ -167,32 +233,12 @@ class DtypeFix:
             overrides = _compute_dtype.resolve_before_sharding(params, modules, mp_policy)
             if overrides is not None:
                 bound.arguments["mp_policy"] = overrides.policy
-            casts = fix.before_sharding(params, modules, mp_policy) if fix.strategy.name == "upcast" else []
             original(*bound.args, **bound.kwargs)
             if overrides is not None:
                 _compute_dtype.after_sharding(group, overrides)
-            if casts:
-                fix.note_upcast_shards(group, casts, ", ".join(type(m).__name__ for m in modules))
+            fix.hook_state_dicts(group, modules)
 
         return __init__
-
-    def before_sharding(self, params: list[torch.nn.Parameter], modules: tuple, mp_policy: Any) -> list:
-        """The strategy's cast before sharding: [(index in params, bytes added per element)]."""
-        names = param_names(modules)
-        index = {id(p): i for i, p in enumerate(params)}
-        plan = plan_group_dtypes([ParamEntry(names.get(id(p), f"<param {i}>"), p, p) for i, p in enumerate(params)])
-        group_name = ", ".join(type(m).__name__ for m in modules)
-        casts = self.strategy.before_sharding(plan, group_name, mp_policy)
-        return [(index[id(entry.handle)], per_element) for entry, per_element in casts]
-
-    @staticmethod
-    def note_upcast_shards(group: Any, casts: list[tuple[int, int]], group_name: str) -> None:
-        """Count what the upcast costs on this rank, now that the group is sharded."""
-        # Note: FSDPParamGroup keeps its FSDPParams in the order of the params it was given.
-        fsdp_params = group.fsdp_params
-        added = sum(_compat.local_shard_numel(fsdp_params[i]) * per_element for i, per_element in casts)
-        widest = format_dtype(fsdp_params[casts[0][0]].sharded_param.dtype)
-        UPCAST_COST.add(group_name, len(casts), added, widest)
 
 
 # -- hook 2: right before the uniform-dtype check ---------------------------------
@@ -209,12 +255,7 @@ def _prepare(group: Any, strategy: Any) -> bool:
             "torch_fsdp_ext: dtype_strategy='preserve' is not supported on this torch: its _init_mp_dtypes "
             "also counts frozen parameters. Use dtype_strategy='upcast'."
         )
-    dtypes_before = {id(p.handle): p.tensor.dtype for p in plan.trainable}
-    stays_mixed = strategy.at_lazy_init(group, plan, repr(_compat.group_name(group)))
-    for p in plan.trainable:
-        if p.handle.sharded_param.dtype != dtypes_before[id(p.handle)]:
-            _optimizer_state.remember_upcast(p.handle, dtypes_before[id(p.handle)])
-    return stays_mixed
+    return strategy.at_lazy_init(group, plan, repr(_compat.group_name(group)))
 
 
 def _init_mp_dtypes_trainable_only(original: Callable, group: Any) -> None:
@@ -322,6 +363,13 @@ class GroupKeeper:
                 keeper.keep(group)
 
         return _init_mp_dtypes
+
+
+def _upcast_before_state_dict(fix_ref: weakref.ref, module: torch.nn.Module, *args: Any) -> None:
+    """``state_dict()`` / ``load_state_dict()`` pre-hook of an FSDP module: Note [Upcast moment]."""
+    fix = fix_ref()
+    if fix is not None and fix.active and _compat.is_root_flag(_compat.fsdp_state_of(module)) is None:
+        fix.upcast_model(module)
 
 
 def _refuse_forward(message: str, module: torch.nn.Module, args: tuple) -> None:

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+from . import _compat
+
 _FLOAT8_DTYPES = frozenset(
     getattr(torch, name)
     for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
@@ -61,8 +63,8 @@ def cast_exclusion_reason(tensor: torch.Tensor) -> str | None:
         return "non-floating storage (quantized?)"
     if tensor.dtype in _FLOAT8_DTYPES:
         return "float8"
-    local = tensor.__dict__.get("_local_tensor", tensor)
-    if hasattr(local, "fsdp_pre_all_gather") or hasattr(tensor, "fsdp_pre_all_gather"):
+    # Note: after fully_shard the parameter is a DTensor; the extension is its local tensor.
+    if hasattr(_compat.local_tensor_of(tensor), "fsdp_pre_all_gather") or hasattr(tensor, "fsdp_pre_all_gather"):
         return "tensor subclass with fsdp_pre_all_gather"
     return None
 
@@ -86,13 +88,36 @@ def plan_group_dtypes(params: list[ParamEntry]) -> GroupDtypePlan:
         reason = cast_exclusion_reason(p.tensor)
         if reason is not None:
             plan.keep_dtype.append((p, reason))
-    # The widest dtype among everything that takes part in type promotion (float8 does not).
-    promotable = [
-        p.tensor.dtype for p in trainable if p.tensor.dtype.is_floating_point and p.tensor.dtype not in _FLOAT8_DTYPES
-    ]
-    if promotable:
-        plan.widest = functools.reduce(torch.promote_types, promotable)
+    plan.widest = _widest([p.tensor.dtype for p in trainable])
     return plan
+
+
+def _widest(dtypes: list[torch.dtype]) -> torch.dtype | None:
+    """The promoted dtype of everything that takes part in type promotion (float8 does not)."""
+    promotable = [d for d in dtypes if d.is_floating_point and d not in _FLOAT8_DTYPES]
+    return functools.reduce(torch.promote_types, promotable) if promotable else None
+
+
+def plan_model_upcast(groups: list[list[ParamEntry]]) -> tuple[torch.dtype | None, list[list[ParamEntry]]]:
+    """For a model's param groups: the widest trainable dtype, and per group the parameters to upcast to it.
+
+    Nothing is upcast unless some group mixes trainable dtypes (FSDP takes the model as it
+    is otherwise). A group holding a parameter that must keep a dtype other than the widest
+    is left as it is: upcasting its other parameters would make it mixed; if it is mixed
+    already, its own lazy init reports it.
+    """
+    trainable = [[p for p in entries if p.tensor.requires_grad] for entries in groups]
+    widest = _widest([p.tensor.dtype for entries in trainable for p in entries])
+    if widest is None or not any(len({p.tensor.dtype for p in entries}) > 1 for entries in trainable):
+        return widest, [[] for _ in groups]
+    casts = []
+    for entries in trainable:
+        kept = [p for p in entries if cast_exclusion_reason(p.tensor) is not None]
+        if any(p.tensor.dtype != widest for p in kept):
+            casts.append([])
+            continue
+        casts.append([p for p in entries if p.tensor.dtype != widest])
+    return widest, casts
 
 
 def format_dtype(dtype: torch.dtype) -> str:

@@ -1,11 +1,10 @@
-"""What the ``dtype`` fix does with a group whose trainable parameters mix dtypes.
+"""What the ``dtype`` fix does with a model whose trainable parameters mix dtypes.
 
-One small class per strategy, each with the same two steps:
-
-- ``before_sharding``: in ``FSDPParamGroup.__init__``, on plain parameters;
-- ``at_lazy_init``: right before ``_init_mp_dtypes`` (first forward), on the
-  sharded parameters. Returns True when the group goes on with mixed dtypes,
-  which the fix then lets through FSDP's uniform-dtype check.
+One small class per strategy. Each has ``at_lazy_init``: right before a group's
+``_init_mp_dtypes`` (first forward), on its sharded parameters; it returns True when
+the group goes on with mixed dtypes, which the fix then lets through FSDP's
+uniform-dtype check. ``upcast`` also decides once for the whole model
+(``upcast_model``), before any group's lazy init.
 
 Note: ``upcast`` keeps fp32 master weights (the classic mixed-precision recipe:
 ``MixedPrecisionPolicy.param_dtype`` still casts for compute); ``preserve``
@@ -18,13 +17,19 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from typing import Any
 
 import torch.distributed as dist
 
-from . import _compat
-from ._dtype_plan import GroupDtypePlan, MixedParamDtypeError, ParamEntry, describe_mixed_dtypes, format_dtype
+from . import _compat, _compute_dtype, _optimizer_state
+from ._dtype_plan import (
+    GroupDtypePlan,
+    MixedParamDtypeError,
+    ParamEntry,
+    describe_mixed_dtypes,
+    format_dtype,
+    plan_model_upcast,
+)
 
 logger = logging.getLogger("torch_fsdp_ext")
 
@@ -38,8 +43,8 @@ class UpcastCost:
     """What ``upcast`` added in this process, so that its memory cost is never silent.
 
     Note: the first upcast logs one WARNING (on rank 0 only: every rank upcasts the
-    same parameters), naming how to keep the loaded dtypes; each group is logged at
-    INFO. The totals are in ``status()``.
+    same parameters) in the words of the launch configuration a user controls, not
+    of ``fully_shard``; each group is logged at INFO. The totals are in ``status()``.
     """
 
     def __init__(self) -> None:
@@ -48,19 +53,20 @@ class UpcastCost:
         self.bytes = 0  # of master weights on this rank's shards
         self._warned = False
 
-    def add(self, group_name: str, params: int, added_bytes: int, widest: str) -> None:
+    def add(self, params: int, added_bytes: int) -> None:
         with self._lock:
             self.params += params
             self.bytes += added_bytes
+
+    def warn_once(self, model_name: str, params: int, added_bytes: int, widest: str) -> None:
+        with self._lock:
             first, self._warned = not self._warned, True
-        if first and (not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0):
+        if first and params and (not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0):
             logger.warning(
-                "torch_fsdp_ext: dtype_strategy='upcast' turned %d trainable parameter(s) of FSDP2 group %s into "
-                "%s master weights: +%s bytes on this rank, about 4x that with their gradients and Adam state. "
-                "Other mixed groups are upcast too (each logged at INFO on the 'torch_fsdp_ext' logger; totals in "
-                "torch_fsdp_ext.status()). To keep every parameter in its loaded dtype instead: "
-                "TORCH_FSDP_EXT_DTYPE_STRATEGY=preserve or torch_fsdp_ext.install(dtype_strategy='preserve').",
-                params, group_name, widest, f"{added_bytes:,}",
+                "torch_fsdp_ext: %d trainable parameter(s) of %s are now %s master weights (+%s bytes on this "
+                "rank, ~4x with gradients and Adam state); modules compute in the same dtypes as before. To keep "
+                "the loaded dtypes instead, launch with TORCH_FSDP_EXT_DTYPE_STRATEGY=preserve.",
+                params, model_name, widest, f"{added_bytes:,}",
             )
 
 
@@ -68,56 +74,70 @@ UPCAST_COST: UpcastCost = globals().get("UPCAST_COST") or UpcastCost()
 
 
 class UpcastStrategy:
-    """fp32 master weights: the narrower trainable floating params are upcast to the group's widest dtype."""
+    """fp32 master weights: the narrower trainable floating params of a model are upcast to its widest dtype.
+
+    ``upcast_model`` is the one decision per model (``DtypeFix.upcast_model`` says when);
+    ``at_lazy_init`` only handles a group that is still mixed at its own lazy init (a dtype
+    changed after that decision, or parameters that must not be cast).
+    """
 
     name = "upcast"
 
-    def before_sharding(self, plan: GroupDtypePlan, group_name: str, mp_policy: Any) -> list[tuple[ParamEntry, int]]:
-        """Upcast before sharding; returns each upcast entry with the bytes it adds per element."""
-        if not plan.is_mixed or self._conflicts(plan):
-            return []  # nothing to do, or an error that lazy init reports with full FQNs
-        added = plan.added_bytes(lambda p: p.tensor.numel())
-        self._report(group_name, plan, mp_policy.param_dtype is None, f"{added} bytes before sharding")
-        casts = [(p, plan.widest.itemsize - p.tensor.dtype.itemsize) for p in plan.narrower()]
-        for p, _ in casts:
-            p.handle.data = p.handle.data.to(plan.widest)
-        return casts
+    def upcast_model(self, groups: list[tuple[Any, list[ParamEntry]]], model_name: str) -> list[Any]:
+        """Upcast ``groups`` (each with its parameters as the module holds them now); returns the groups changed."""
+        widest, casts = plan_model_upcast([entries for _, entries in groups])
+        changed, params, added = [], 0, 0
+        for (group, _), group_casts in zip(groups, casts):
+            if group_casts:
+                added += self._upcast(group, group_casts, widest, f"{_compat.group_name(group)!r} of {model_name}")
+                params += len(group_casts)
+                changed.append(group)
+        if changed:
+            UPCAST_COST.warn_once(model_name, params, added, format_dtype(widest))
+        return changed
 
     def at_lazy_init(self, group: Any, plan: GroupDtypePlan, group_name: str) -> bool:
         conflicts = self._conflicts(plan)
         if conflicts:
             raise MixedParamDtypeError(describe_mixed_dtypes(group_name, plan, conflicts, _KEEP_APART_HINT))
-        casts = plan.narrower()
-        added = plan.added_bytes(lambda p: _compat.local_shard_numel(p.handle))
-        computes_in_widest = any(_compat.param_mp_policy(group, p.handle).param_dtype is None for p in casts)
-        self._report(group_name, plan, computes_in_widest, f"{added} bytes on this rank's shards")
-        for p in casts:
-            _compat.change_sharded_param_dtype(p.handle, plan.widest)
-        UPCAST_COST.add(group_name, len(casts), added, format_dtype(plan.widest))
+        added = self._upcast(group, plan.narrower(), plan.widest, group_name)
+        UPCAST_COST.warn_once(f"FSDP2 group {group_name}", len(plan.narrower()), added, format_dtype(plan.widest))
         return False
+
+    @staticmethod
+    def _upcast(group: Any, casts: list[ParamEntry], widest: Any, group_name: str) -> int:
+        added = sum(_compat.local_shard_numel(p.handle) * (widest.itemsize - p.tensor.dtype.itemsize) for p in casts)
+        logger.info(
+            "torch_fsdp_ext: upcast %d trainable parameter(s) of FSDP2 group %s to %s master weights "
+            "(+%s bytes on this rank's shards): %s",
+            len(casts), group_name, format_dtype(widest), f"{added:,}",
+            ", ".join(f"{p.name} ({format_dtype(p.tensor.dtype)})" for p in casts),
+        )
+        for p in casts:
+            upcast_param(group, p.handle, widest)
+        UPCAST_COST.add(len(casts), added)
+        return added
 
     @staticmethod
     def _conflicts(plan: GroupDtypePlan) -> dict[int, str]:
         return {id(p): f"must not be cast: {why}" for p, why in plan.keep_dtype if p.tensor.dtype != plan.widest}
 
-    @staticmethod
-    def _report(group_name: str, plan: GroupDtypePlan, computes_in_widest: bool, added: str) -> None:
-        casts = ", ".join(f"{p.name} ({format_dtype(p.tensor.dtype)})" for p in plan.narrower())
-        widest = format_dtype(plan.widest)
-        logger.info(
-            "torch_fsdp_ext: upcast %d trainable parameter(s) of FSDP2 group %s to %s for uniform "
-            "fp32 master weights (+%s): %s",
-            len(plan.narrower()), group_name, widest, added, casts,
-        )
-        if computes_in_widest:
-            warnings.warn(
-                f"torch_fsdp_ext: FSDP2 group {group_name} has no MixedPrecisionPolicy.param_dtype, so the "
-                f"parameters upcast to {widest} now also compute in {widest}: {casts}. Pass "
-                "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)) to keep "
-                "low-precision compute with fp32 master weights, or install(dtype_strategy='preserve') to "
-                "keep every parameter in its own dtype.",
-                stacklevel=3,
-            )
+
+def upcast_param(group: Any, fsdp_param: Any, dtype: Any) -> None:
+    """One sharded parameter becomes a ``dtype`` master weight that computes as it did before.
+
+    Note: where the policy casts nothing for compute (no ``param_dtype``: accelerate's
+    ``mixed_precision: "no"``, ``fully_shard`` without a policy), the parameter is
+    all-gathered in the dtype it was loaded in, so its module computes exactly as
+    before: an fp32 master must not turn a bf16 norm's output fp32 in front of a frozen
+    bf16 layer (``mat1 and mat2 must have the same dtype``).
+    """
+    _compat.sync_sharded_param(fsdp_param)
+    loaded = fsdp_param.sharded_param.dtype
+    _compat.change_sharded_param_dtype(fsdp_param, dtype)
+    if _compute_dtype.compute_dtype_of(fsdp_param) is None and _compat.param_mp_policy(group, fsdp_param).param_dtype is None:
+        _compute_dtype.compute_in(group, fsdp_param, loaded)
+    _optimizer_state.remember_upcast(fsdp_param, loaded)
 
 
 class PreserveStrategy:
@@ -130,9 +150,6 @@ class PreserveStrategy:
     """
 
     name = "preserve"
-
-    def before_sharding(self, plan: GroupDtypePlan, group_name: str, mp_policy: Any) -> list:
-        return []  # nothing is cast
 
     def at_lazy_init(self, group: Any, plan: GroupDtypePlan, group_name: str) -> bool:
         if plan.keep_dtype:
@@ -156,9 +173,6 @@ class ErrorStrategy:
         "dtype_strategy='preserve' to train each parameter in its own dtype, or cast these parameters to one "
         "dtype before fully_shard (e.g. model.float()), or freeze them (requires_grad_(False))."
     )
-
-    def before_sharding(self, plan: GroupDtypePlan, group_name: str, mp_policy: Any) -> list:
-        return []
 
     def at_lazy_init(self, group: Any, plan: GroupDtypePlan, group_name: str) -> bool:
         why_not = {id(p): f"must not be cast: {why}" for p, why in plan.keep_dtype}

@@ -1,17 +1,17 @@
-"""Optimizer state made before a parameter was upcast after sharding.
+"""Optimizer state made before a parameter was upcast.
 
-Note: an upcast after ``fully_shard`` (a group built before ``install()``, or a
-dtype changed after sharding) keeps the ``nn.Parameter`` object, so an
-optimizer that holds it keeps stepping it. State the optimizer created before
-the cast (a step-0 ``get_state_dict``, a resumed checkpoint) keeps the old
-dtype, and the first step fails inside the optimizer (AdamW: ``expected dtype
-torch.bfloat16 for 'end'`` in ``aten.lerp_``); a checkpoint loaded before the
-cast was also rounded to the old dtype. FSDP cannot see optimizers and torch
-keeps no registry of them; the one place every optimizer passes before it
-touches its state is torch.optim's global step pre-hook. So the parameters
-upcast after sharding are remembered (weakly) and checked there, at the next
-step of every optimizer that holds them, which raises naming them and the fix
-before the optimizer runs; with nothing left to check it returns at once, and
+Note: the upcast (Note [Upcast moment] in ``_dtype_fix``) happens after
+``fully_shard`` and keeps the ``nn.Parameter`` object, so an optimizer that holds
+it keeps stepping it. State the optimizer created before the cast (an
+optimizer-only step-0 ``get_optimizer_state_dict``, a resumed optimizer checkpoint
+loaded before the model's) keeps the old dtype, and the first step fails inside the
+optimizer (AdamW: ``expected dtype torch.bfloat16 for 'end'`` in ``aten.lerp_``);
+optimizer state loaded before the cast was also rounded to the old dtype. FSDP
+cannot see optimizers and torch keeps no registry of them; the one place every
+optimizer passes before it touches its state is torch.optim's global step
+pre-hook. So the upcast parameters are remembered (weakly) and checked there, at
+the next step of every optimizer that holds them, which raises naming them and the
+fix before the optimizer runs; with nothing left to check it returns at once, and
 ``uninstall()`` removes it.
 """
 
@@ -83,16 +83,15 @@ def _check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
                 _upcast.pop(param, None)  # its state is created in its new dtype from now on
             return
     lines = [
-        "torch_fsdp_ext: this optimizer holds state made before the plugin upcast these parameters after "
-        "fully_shard (for fp32 master weights); a checkpoint loaded into them before the upcast was rounded "
-        "to their old dtype:"
+        "torch_fsdp_ext: this optimizer holds state made before the plugin upcast these parameters to fp32 "
+        "master weights; optimizer state loaded into it before the upcast was rounded to their old dtype:"
     ]
     for name, before, after, keys in stale:
         lines.append(f"  {name}: {format_dtype(before)} -> {format_dtype(after)}, state {', '.join(keys)} still "
                      f"{format_dtype(before)}")
     lines.append(
-        "Fix: install the plugin (import torch_fsdp_ext) before building the optimizer and before loading a "
-        "checkpoint (install() upcasts the groups that exist then), and change parameter dtypes before fully_shard; "
-        "then build the optimizer and load the checkpoint again."
+        "Fix: the plugin upcasts a model at its first forward or its first state_dict()/load_state_dict(); "
+        "save and load the optimizer together with the model (get_state_dict(model, optimizer), "
+        "set_state_dict(...)) or after a forward, then build the optimizer and load its state again."
     )
     raise MixedParamDtypeError("\n".join(lines))
