@@ -36,9 +36,18 @@ setup(
     # Never force a torch upgrade: any release from 2.5 on is accepted as installed.
     install_requires=["torch>=2.5"],
     extras_require={
-        # Only for running the test suite (python -m pytest test -q): transformers and peft
-        # for the integration tests (test/test_integration.py skips without them).
-        "test": ["pytest", "expecttest", "numpy", "transformers>=5.23.0", "peft>=0.21.2"],
+        # Only for running the test suite (python -m pytest test -q): the libraries its integration
+        # tests train with (test/test_integration.py and test/test_upcast_contract.py skip without them).
+        "test": [
+            "pytest",
+            "expecttest",
+            "numpy",
+            "transformers>=5.23.0",
+            "peft>=0.21.2",
+            "accelerate>=1.15.0",
+            "torchao>=0.18.0",
+            "bitsandbytes>=0.50.2",
+        ],
     },
     entry_points={"console_scripts": ["torch-fsdp-ext=torch_fsdp_ext.__main__:main"]},
     classifiers=[

@@ -82,7 +82,7 @@ recompute  partly  yes     no failure → runs                     replays root 
                         """
                         # Sabotage the dtype fix in every process the doctor starts.
                         from torch_fsdp_ext import _dtype_fix as d
-                        d.DtypeFix.before_sharding = lambda self, *args: None
+                        d.DtypeFix.upcast_model = lambda self, root: None
                         d._prepare = lambda group, strategy: False
                         """
                     )

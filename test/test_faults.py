@@ -288,8 +288,8 @@ def small_mixed_model() -> nn.Module:
 def train_small(model: nn.Module, optimizer, steps: range) -> list[float]:
     losses = []
     for step in steps:
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
-        loss = checkpoint(model, x, use_reentrant=False).pow(2).mean()
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        loss = checkpoint(model, x, use_reentrant=False).float().pow(2).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -340,7 +340,7 @@ class TestThreads(FSDPExtTestCase):
         (SystemError in RegisterPostBackwardFunction.apply) in 1 of 2 runs.
         """
         with plugin(True), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # no param_dtype: the upcast parameters compute in fp32, as warned
+            warnings.simplefilter("ignore")  # the upcast's one-line cost warning
             reference = self._train(toggle_from_another_thread=False)
             for _ in range(3):
                 losses, params = self._train(toggle_from_another_thread=True)

@@ -333,6 +333,10 @@ def measure_memory(iterations: int) -> list[list]:
 # -- init -----------------------------------------------------------------------------
 
 
+INIT_ROUNDS = 7
+BOUND_INIT_RATIO = 1.5
+
+
 def measure_init(fraction_bf16: float, dim: int, layers: int) -> dict:
     """Upcast by the plugin vs ``model.float()`` before ``fully_shard`` (the accelerate workaround)."""
 
@@ -344,32 +348,51 @@ def measure_init(fraction_bf16: float, dim: int, layers: int) -> dict:
                 layer[0].to(torch.bfloat16)
         return model
 
-    def shard(model: nn.Module) -> float:
+    def shard(model: nn.Module, lazy_init: bool = True) -> float:
+        """fully_shard, then the first forward (FSDP's lazy init, where the plugin upcasts)."""
         start = time.perf_counter()
         for layer in model:
             fully_shard(layer, mp_policy=BF16)
         fully_shard(model, mp_policy=BF16)
+        if lazy_init:
+            with torch.no_grad():
+                model(torch.zeros(1, dim))
         return time.perf_counter() - start
 
     def local_bytes(model: nn.Module) -> int:
         return sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
 
-    out = {}
+    def workaround() -> tuple[float, nn.Module]:
+        model = build()
+        start = time.perf_counter()
+        model.float()
+        return time.perf_counter() - start + shard(model), model
+
+    def plugin() -> tuple[float, nn.Module]:
+        model = build()
+        return shard(model), model
+
+    # Note: alternating rounds after one warm-up round of each (the first forward of each
+    # setup pays for one-time work); the median of the rounds is reported.
+    times: dict[str, list[float]] = {"workaround": [], "plugin": []}
+    models = {}
+    for round_ in range(INIT_ROUNDS + 1):
+        for name, run in (("workaround", workaround), ("plugin", plugin)):
+            if name == "plugin":
+                torch_fsdp_ext.install(["dtype"])
+            else:
+                torch_fsdp_ext.uninstall()
+            seconds, models[name] = run()
+            if round_:
+                times[name].append(seconds)
+    out = {f"{name}_s": statistics.median(t) for name, t in times.items()}
+    out["workaround_bytes"] = local_bytes(models["workaround"])
+    out["plugin_bytes"] = local_bytes(models["plugin"])
+    bf16_elements = sum(p.numel() for p in build().parameters() if p.dtype == torch.bfloat16)
     torch_fsdp_ext.uninstall()
     model = build()
-    bf16_elements = sum(p.numel() for p in model.parameters() if p.dtype == torch.bfloat16)
-    start = time.perf_counter()
-    model.float()
-    out["workaround_s"] = time.perf_counter() - start + shard(model)
-    out["workaround_bytes"] = local_bytes(model)
-    torch_fsdp_ext.install(["dtype"])
-    model = build()
-    out["plugin_s"] = shard(model)
-    out["plugin_bytes"] = local_bytes(model)
-    torch_fsdp_ext.uninstall()
-    model = build()
-    shard(model)
-    out["unpatched_bytes"] = local_bytes(model)  # bf16 stays bf16 (would assert at forward)
+    shard(model, lazy_init=False)  # plain torch asserts at the lazy init
+    out["unpatched_bytes"] = local_bytes(model)  # bf16 stays bf16
     world = dist.get_world_size()
     out["expected_added"] = sum(  # 2 extra bytes per upcast bf16 element of this rank's shards
         2 * p.to_local().numel() for p in model.parameters() if p.dtype == torch.bfloat16
@@ -867,13 +890,19 @@ def init_section(args: argparse.Namespace) -> bool:
     added = r["plugin_bytes"] - r["unpatched_bytes"]
     print(f"\nInit cost of the upcast: {args.layers} layers of Linear({args.dim}) + LayerNorm, "
           f"{args.fraction:.0%} of layers bf16 ({r['bf16_elements']} bf16 elements), world size {r['world']}")
+    print(f"(init s: median of {INIT_ROUNDS} alternating rounds)")
     print(table(["", "init s", "shard bytes"], [
-        ["model.float() + fully_shard", f"{r['workaround_s']:.4f}", r["workaround_bytes"]],
-        ["plugin (upcast in hook)", f"{r['plugin_s']:.4f}", r["plugin_bytes"]],
+        ["model.float() + fully_shard + 1st forward", f"{r['workaround_s']:.4f}", r["workaround_bytes"]],
+        ["plugin (upcast at 1st forward)", f"{r['plugin_s']:.4f}", r["plugin_bytes"]],
     ]))
     print(f"bytes added {added} = expected {r['expected_added']} (2 per upcast bf16 element of the local shards); "
-          f"time ratio plugin/workaround {r['plugin_s'] / r['workaround_s']:.3f} (bound 1.0 + 5% noise)")
-    return added == r["expected_added"] and r["plugin_bytes"] == r["workaround_bytes"] and r["plugin_s"] <= 1.05 * r["workaround_s"]
+          f"time ratio plugin/workaround {r['plugin_s'] / r['workaround_s']:.3f} (bound {BOUND_INIT_RATIO}: the "
+          "upcast copies each shard once more than model.float() does)")
+    return (
+        added == r["expected_added"]
+        and r["plugin_bytes"] == r["workaround_bytes"]
+        and r["plugin_s"] <= BOUND_INIT_RATIO * r["workaround_s"]
+    )
 
 
 def scaling_section(args: argparse.Namespace) -> bool:

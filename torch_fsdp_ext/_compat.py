@@ -672,6 +672,34 @@ def cast_floating_tensors(dtype: torch.dtype, value: Any) -> Any:
     return internals.apply_to_tensors(functools.partial(internals.cast_fp_tensor, dtype), value)
 
 
+def floating_dtype_finder() -> Callable[[Any], torch.dtype | None]:
+    """A function giving the dtype of the first floating tensor in a value (nested containers), or None.
+
+    Bound once, like ``floating_tensor_cast``, for hooks that torch.compile traces.
+    """
+    apply = load_internals().apply_to_tensors
+
+    def first_floating_dtype(value: Any) -> torch.dtype | None:
+        found: list[torch.dtype] = []
+
+        def note(tensor: torch.Tensor) -> torch.Tensor:
+            if not found and tensor.is_floating_point():
+                found.append(tensor.dtype)
+            return tensor
+
+        apply(note, value)
+        return found[0] if found else None
+
+    return first_floating_dtype
+
+
+def floating_tensor_cast_to() -> Callable[[torch.dtype, Any], Any]:
+    """``cast_floating_tensors`` with the internals bound once, for hooks that torch.compile traces."""
+    internals = load_internals()
+    apply, cast = internals.apply_to_tensors, internals.cast_fp_tensor
+    return lambda dtype, value: apply(functools.partial(cast, dtype), value)
+
+
 def floating_tensor_cast(dtype: torch.dtype) -> Callable[[Any], Any]:
     """``cast_floating_tensors`` bound to ``dtype`` once, for hooks that torch.compile traces."""
     internals = load_internals()

@@ -120,15 +120,17 @@ def _check_selectors(selectors: Iterable[Any]) -> tuple[Any, ...]:
 class LoadedDtypeModules:
     """A ``param_dtype_override_fn``: parameters of the matched modules compute in their loaded dtype.
 
-    Made by ``compute_in_loaded_dtype``. With the plugin installed, each matched module
-    also runs as it would as its own FSDP unit with an fp32 policy and
-    ``output_dtype=param_dtype``: its floating inputs are cast to its loaded dtype, its
-    floating outputs back to ``param_dtype``.
+    Made by ``compute_in_loaded_dtype``. Each matched module also runs as it would as its
+    own FSDP unit with an fp32 policy and ``output_dtype`` = the dtype around it: its
+    floating inputs are cast to its loaded dtype, its floating outputs back to the dtype
+    its inputs came in (``_add_boundary_casts``), with or without the plugin.
     """
 
     def __init__(self, modules: dict[nn.Module, torch.dtype]) -> None:
         self.modules = modules  # matched module -> the dtype it computes in
         self._dtypes = {id(p): dtype for m, dtype in modules.items() for p in m.parameters()}
+        for module, dtype in modules.items():
+            _add_boundary_casts(module, dtype)
 
     def __call__(self, param: nn.Parameter) -> torch.dtype | None:
         return self._dtypes.get(id(param))
@@ -228,26 +230,18 @@ class GroupOverrides:
 
     policy: Any  # the group's policy, without the override function
     compute_dtypes: dict[int, torch.dtype]
-    boundary_modules: dict[nn.Module, torch.dtype]
 
 
 def resolve_before_sharding(params: list[nn.Parameter], modules: tuple, mp_policy: Any) -> GroupOverrides | None:
     """Call the group's override on each parameter as loaded; None for a group without one."""
     fn = override_fn_of(mp_policy)
-    if fn is None and not _default_selectors:
-        return None
-    boundary: dict[nn.Module, torch.dtype] = {}
-    in_group = {id(p) for p in params}
     if fn is None and _default_selectors:
+        selected: dict[nn.Module, torch.dtype] = {}
         for module in modules:
             found, used = _select(module, _default_selectors)
-            boundary.update(found)
+            selected.update(found)
             _matched_defaults.update(used)
-        fn = LoadedDtypeModules(boundary) if boundary else None
-    elif isinstance(fn, LoadedDtypeModules):
-        boundary = fn.modules
-    # Only modules with a parameter in this group: nested FSDP units handle their own.
-    boundary = {m: d for m, d in boundary.items() if any(id(p) in in_group for p in m.parameters())}
+        fn = LoadedDtypeModules(selected) if selected else None
     if fn is None:
         return None
     base = dataclasses.replace(mp_policy, param_dtype_override_fn=None) if override_fn_of(mp_policy) else mp_policy
@@ -257,7 +251,7 @@ def resolve_before_sharding(params: list[nn.Parameter], modules: tuple, mp_polic
         dtype = _resolve(fn, base, param, names.get(id(param), f"<param {index}>"))
         if dtype != base.param_dtype:
             compute_dtypes[index] = dtype
-    return GroupOverrides(base, compute_dtypes, boundary)
+    return GroupOverrides(base, compute_dtypes)
 
 
 def _resolve(fn: Callable, policy: Any, param: nn.Parameter, name: str) -> torch.dtype | None:
@@ -286,9 +280,6 @@ def after_sharding(group: Any, overrides: GroupOverrides) -> None:
         fsdp_param = group.fsdp_params[index]
         fsdp_param.mp_policy = dataclasses.replace(overrides.policy, param_dtype=dtype)
         fsdp_param.__dict__[_COMPUTE_ATTR] = dtype
-    if overrides.policy.param_dtype is not None:
-        for module, dtype in overrides.boundary_modules.items():
-            _add_boundary_casts(module, dtype, overrides.policy.param_dtype)
 
 
 def compute_in(group: Any, fsdp_param: Any, dtype: torch.dtype) -> None:
@@ -357,27 +348,33 @@ def compute_dtype_of(fsdp_param: Any) -> torch.dtype | None:
 _BOUNDARY_ATTR = "_torch_fsdp_ext_boundary_casts"
 
 
-def _add_boundary_casts(module: nn.Module, compute_dtype: torch.dtype, output_dtype: torch.dtype) -> None:
-    """Inputs to ``compute_dtype``, outputs to ``output_dtype``: what its own FSDP unit would do.
+def _add_boundary_casts(module: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Floating inputs to ``compute_dtype``, floating outputs back to the dtype the inputs came in.
 
-    Note: plain module hooks, traced by torch.compile like the module's own code;
-    they run again in activation-checkpoint recompute, as the forward did.
+    What the module would do as its own FSDP unit with ``param_dtype=compute_dtype`` and
+    ``output_dtype`` = the dtype around it, so that a norm computing in fp32 hands bf16
+    on to the bf16 layer after it.
+
+    Note: registered by the override function itself (``LoadedDtypeModules``), not by the
+    plugin at ``fully_shard``: the same policy then computes the same with torch 2.15's
+    native ``param_dtype_override_fn``, with or without the plugin. Plain module hooks,
+    traced by torch.compile like the module's own code; they run again in
+    activation-checkpoint recompute, as the forward did.
     """
-    if module.__dict__.get(_BOUNDARY_ATTR) == (compute_dtype, output_dtype):
-        return
     if _BOUNDARY_ATTR in module.__dict__:
-        raise ValueError(
-            f"torch_fsdp_ext: {type(module).__name__} is in FSDP2 groups with different param_dtype; its output "
-            "cast would depend on the group."
-        )
-    module.__dict__[_BOUNDARY_ATTR] = (compute_dtype, output_dtype)
-    to_compute, to_output = _compat.floating_tensor_cast(compute_dtype), _compat.floating_tensor_cast(output_dtype)
+        return
+    module.__dict__[_BOUNDARY_ATTR] = compute_dtype
+    to_compute, cast_to = _compat.floating_tensor_cast(compute_dtype), _compat.floating_tensor_cast_to()
+    first_floating_dtype = _compat.floating_dtype_finder()
+    input_dtypes: list[torch.dtype | None] = []  # one entry per call in flight (nested or recursive calls)
 
     def cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        input_dtypes.append(first_floating_dtype((args, kwargs)))
         return to_compute(args), to_compute(kwargs)
 
     def cast_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
-        return to_output(output)
+        dtype = input_dtypes.pop()
+        return output if dtype is None else cast_to(dtype, output)
 
     module.register_forward_pre_hook(cast_inputs, with_kwargs=True)
     module.register_forward_hook(cast_outputs)

@@ -22,7 +22,7 @@ the whole output to one dtype, ``_compat`` also wraps that path so that each
 parameter receives its gradient in its own dtype.
 
 Note [Upcast moment]. A model is upcast at the first of: its root's first lazy init
-(first forward, or an explicit ``unshard()``), or the first ``state_dict()`` /
+(first forward), or the first ``state_dict()`` /
 ``load_state_dict()`` of one of its FSDP modules while the model's trainable
 parameters hold data (not meta). Every loader that runs after ``fully_shard`` runs
 before the first forward, and each then sees, on every rank, what it would see
