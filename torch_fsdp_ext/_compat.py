@@ -215,6 +215,25 @@ def fsdp_states_under(root: torch.nn.Module) -> list[Any]:
     return states
 
 
+def model_state_dict_loader() -> tuple[types.ModuleType, str] | None:
+    """Where ``set_model_state_dict`` / ``set_state_dict`` load a model: (module, function name), or None.
+
+    Note: that function copies full (or rank-0 broadcast) tensors into the model's
+    local shards in place, before it calls ``load_state_dict()``, so a module hook
+    runs too late to widen a shard first; found by behaviour (both public setters
+    call it through the module global), not by version.
+    """
+    try:
+        from torch.distributed.checkpoint import state_dict as module
+    except ImportError:
+        return None
+    name = "_load_model_state_dict"
+    function = getattr(module, name, None)
+    if not callable(function) or name not in module.set_model_state_dict.__code__.co_names:
+        return None
+    return module, name
+
+
 def root_module_of(state: Any) -> torch.nn.Module | None:
     """The module a state's lazy init would make the root of its tree (None: FSDP refuses several)."""
     modules = getattr(state, "_modules", ())

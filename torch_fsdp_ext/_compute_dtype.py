@@ -65,8 +65,8 @@ else:
         ``fully_shard`` builds its group, on the parameter as it was loaded. It returns
         ``None`` or ``param_dtype`` (compute in ``param_dtype``) or the parameter's
         original dtype (all-gather and compute in it); anything else is a ``ValueError``.
-        Forward inputs are still cast to ``param_dtype``. Needs ``torch_fsdp_ext``
-        installed (the default on import).
+        Forward inputs are still cast to ``param_dtype``. Needs the plugin's dtype fix
+        installed (the default on import); without it, making the policy is an error.
         """
 
         # Note: keyword-only as in torch 2.15 where dataclasses support it (Python >= 3.10).
@@ -74,12 +74,46 @@ else:
             default=None, **({"kw_only": True} if sys.version_info >= (3, 10) else {})
         )
 
+        def __post_init__(self) -> None:
+            parent = getattr(super(), "__post_init__", None)
+            if parent is not None:
+                parent()
+            if self.param_dtype_override_fn is not None:
+                _require_dtype_fix()
+
         def _resolve_for_param(self, param: nn.Parameter) -> "MixedPrecisionPolicy":
             if self.param_dtype_override_fn is None:
                 return self
             name = f"a parameter of shape {tuple(param.shape)}"
             param_dtype = _resolve(self.param_dtype_override_fn, self, param, name)
             return dataclasses.replace(self, param_dtype=param_dtype, param_dtype_override_fn=None)
+
+
+def _require_dtype_fix() -> None:
+    """The backported override works through the dtype fix's hooks; without them FSDP2 ignores it.
+
+    Note: checked when the policy is made, so that a policy never goes silently off
+    (``TORCH_FSDP_EXT_DISABLE=1``, a torch the fix stands aside on, before ``install()``).
+    Groups built while the fix was active keep their overrides after ``uninstall()``
+    (``_dtype_fix.GroupKeeper``).
+    """
+    from . import _install  # imported late: _install imports this module
+
+    dtype_fix = _install.status().fixes["dtype"]
+    if dtype_fix.active:
+        return
+    raise ValueError(
+        f"torch_fsdp_ext: MixedPrecisionPolicy(param_dtype_override_fn=...) needs the plugin's dtype fix on torch "
+        f"{torch.__version__} (no native param_dtype_override_fn), and the fix is not active: "
+        f"{'not installed' if dtype_fix.needed else dtype_fix.reason}. FSDP2 would ignore the override and every "
+        "parameter would compute in param_dtype. Fix: unset TORCH_FSDP_EXT_DISABLE or call "
+        "torch_fsdp_ext.install() before making the policy."
+    )
+
+
+def has_overrides(group: Any) -> bool:
+    """Some parameter of ``group`` computes in a dtype an override chose."""
+    return any(_COMPUTE_ATTR in p.__dict__ for p in group.fsdp_params)
 
 
 def override_fn_of(policy: Any) -> Callable | None:

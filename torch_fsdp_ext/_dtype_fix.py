@@ -22,8 +22,8 @@ the whole output to one dtype, ``_compat`` also wraps that path so that each
 parameter receives its gradient in its own dtype.
 
 Note [Upcast moment]. A model is upcast at the first of: its root's first lazy init
-(first forward), or the first ``state_dict()`` /
-``load_state_dict()`` of one of its FSDP modules while the model's trainable
+(first forward), or the first ``state_dict()`` / ``load_state_dict()`` /
+``set_model_state_dict()`` of one of its FSDP modules while the model's trainable
 parameters hold data (not meta). Every loader that runs after ``fully_shard`` runs
 before the first forward, and each then sees, on every rank, what it would see
 without the plugin:
@@ -32,10 +32,12 @@ without the plugin:
   other ranks (accelerate's ``fsdp2_load_full_state_dict``) works on the meta
   device: an upcast there (or inside ``fully_shard``) would pair rank 0's 2-byte
   elements with 4-byte buffers, and the model would train on garbage;
-- a loader that reads into the model's own tensors (DCP, ``set_model_state_dict``)
-  asks for ``state_dict()`` or calls ``load_state_dict()`` on materialized
-  parameters first: upcast then, fp32 masters in the checkpoint are not rounded to
-  bf16 on the way in (an upcast at lazy init only would round them);
+- a loader that reads into the model's own tensors asks for ``state_dict()`` (DCP)
+  or calls ``load_state_dict()`` on materialized parameters first: upcast then, so
+  that fp32 masters in the checkpoint are not rounded to bf16 on the way in (an
+  upcast at lazy init only would round them). ``set_model_state_dict`` and
+  ``set_state_dict`` copy into the local shards before ``load_state_dict()``: their
+  loader (``_compat.model_state_dict_loader``) is the moment for them;
 - parameters that ``load_state_dict(assign=True)`` put in place are taken as FSDP's
   lazy init takes them.
 The decision depends only on dtypes and ``requires_grad`` flags, the same on every rank.
@@ -46,7 +48,8 @@ first lazy init. It is kept on the group (``GroupDecision``), so a later
 ``_init_mp_dtypes`` from an explicit ``unshard()``; that re-run only handles what
 changed since (a dtype the user changed), with the group's own strategy.
 
-Note: after ``uninstall()`` a live ``preserve`` group still needs the wrappers of
+Note: after ``uninstall()`` a live ``preserve`` group, or one built with a
+``param_dtype_override_fn`` before 2.15, still needs the wrappers of
 ``_init_mp_dtypes`` (``unshard()`` re-runs it) and, up to 2.14, of the reduce
 path. They are kept (``GroupKeeper``) and act only on those groups, until the
 last of them is garbage-collected; then, or at ``uninstall()`` when there is
@@ -116,13 +119,18 @@ class DtypeFix:
 
     def wrapped_symbols(self) -> list[str]:
         owners = ("FSDPParamGroup",) if _compat.probe_reduce_casts_grads_per_param() else _compat.MIXED_REDUCE_OWNERS
-        return _compat.symbol_names(self.internals, (*owners, "FSDPState._lazy_init"))
+        names = _compat.symbol_names(self.internals, (*owners, "FSDPState._lazy_init"))
+        loader = _compat.model_state_dict_loader()
+        return names + ([f"{loader[0].__name__}.{loader[1]}"] if loader is not None else [])
 
     def install(self, patches: PatchSet) -> None:
         patches.wrap(self.internals.FSDPParamGroup, "__init__", self._wrap_init)
         self.ranks.install(patches)
         # Note: wrapped after the rank check, so it runs first: the ranks compare the upcast layout.
         patches.wrap(self.internals.FSDPState, "_lazy_init", self._wrap_root_lazy_init)
+        loader = _compat.model_state_dict_loader()
+        if loader is not None:
+            patches.wrap(*loader, self._wrap_model_state_dict_loader)
         _keeper.attach(self)
         self.refuse_half_initialised_models(patches)
         self._patches = patches
@@ -156,6 +164,8 @@ class DtypeFix:
         """The ``upcast`` decision for the model under ``root``, made once for all its groups."""
         groups = []
         for state in _compat.fsdp_states_under(root):
+            if _compat.is_root_flag(state) is not None:
+                continue  # its lazy init has run: FSDP has fixed its dtypes
             for group in _compat.param_groups_of(state):
                 decision = group.__dict__.get(_DECISION_ATTR)
                 if decision is None:
@@ -198,6 +208,17 @@ class DtypeFix:
 
         return _lazy_init
 
+    def _wrap_model_state_dict_loader(self, original: Callable) -> Callable:
+        fix = self
+
+        @wraps(original)
+        def _load_model_state_dict(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if fix.active:
+                fix.upcast_model(model)
+            return original(model, *args, **kwargs)
+
+        return _load_model_state_dict
+
     def refuse_half_initialised_models(self, patches: PatchSet) -> None:
         """A model whose first forward failed in FSDP's lazy init (before this fix, or under
         ``dtype_strategy="error"``) cannot be repaired in place: its next forward says so
@@ -236,6 +257,8 @@ class DtypeFix:
             original(*bound.args, **bound.kwargs)
             if overrides is not None:
                 _compute_dtype.after_sharding(group, overrides)
+                if overrides.compute_dtypes and not _compute_dtype.TORCH_HAS_OVERRIDE:
+                    _keeper.keep(group)  # its override must outlive uninstall(), as torch 2.15's does
             fix.hook_state_dicts(group, modules)
 
         return __init__
@@ -339,7 +362,10 @@ class GroupKeeper:
             fix = keeper.fix
             decision = group.__dict__.get(_DECISION_ATTR)
             if fix is None and (decision is None or not decision.stays_mixed):
-                return original(group)  # uninstalled: torch's own behaviour for every other group
+                # Uninstalled: torch's own behaviour, and the compute dtypes of a group built with an override.
+                original(group)
+                _compute_dtype.at_lazy_init(group)
+                return
             if fix is not None:
                 _compute_dtype.check_defaults_matched()
             if decision is None:
