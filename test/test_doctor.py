@@ -52,12 +52,14 @@ fix        needed  active  seed scenario: without → with plugin  plugin does
 dtype      yes     yes     AssertionError → fixed                strategy upcast
 recompute  partly  yes     no failure → runs                     replays root input move, autocast state (torch: input cast, output cast)""",
             )
-            self.assertIn("partly = this torch repairs part of it and the plugin the rest", result.stdout)
-            # README.md shows this release's output: it must be what doctor prints.
+            self.assertIn("partly = torch repairs part, the plugin the rest", result.stdout)
+            # README.md shows this release's output from the self-test line on: it must be what doctor prints.
             with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
                 readme = f.read()
-            for line in result.stdout.splitlines()[4:]:
+            lines = result.stdout.splitlines()
+            for line in lines[next(i for i, l in enumerate(lines) if l.startswith("self-test:")):]:
                 self.assertIn(f"    {line}\n", readme)
+        self.assertEqual([l for l in result.stdout.splitlines() if len(l) > 160], [], "lines a terminal wraps")
         else:
             self.skipTest("no expected table for a torch without the dtype bug")
 

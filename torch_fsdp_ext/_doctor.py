@@ -213,8 +213,9 @@ def fix_rows(report, outcomes: dict) -> tuple[list[list[str]], bool]:
 
 LEGEND = (
     NEEDED_LEGEND,
-    "seed scenario: the reported failure on real ranks without and with the plugin ('fixed', 'runs': result "
-    "checked); where torch repairs part of a failure, its seed scenario does not fail and the plugin covers the rest",
+    "seed scenario: the originally reported failure, run on real ranks without -> with the plugin "
+    "('fixed', 'runs': result checked)",
+    "where torch already repairs part of a failure, its seed scenario runs without the plugin too",
 )
 
 
@@ -233,10 +234,8 @@ def doctor(world_size: int = 2) -> int:
         print("unsupported torch: " + "; ".join(report.missing))
         print("the plugin patches nothing here; torch behaves as without it")
         return 0
-    print(
-        "every rank must run the same torch_fsdp_ext installation: where a rank runs without it, the ranks "
-        "with it stop at the first forward with RankCheckTimeoutError after the process group's timeout"
-    )
+    print("every rank must run the plugin: if one rank runs without it, the others stop at their first forward")
+    print("with RankCheckTimeoutError once the process group's timeout has passed")
     strategy = report.fixes["dtype"].details.get("strategy", "upcast")
     print(f"self-test: {backend.world_size} rank(s), {backend.name} on {backend.device_type}; dtype strategy {strategy!r}")
     outcomes = run_self_test(backend, strategy)

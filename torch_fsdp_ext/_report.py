@@ -33,10 +33,7 @@ def plugin_does(fix: Any) -> str:
     return f"replays {', '.join(ours)}" + (f" (torch: {', '.join(torch_own)})" if torch_own else "")
 
 
-NEEDED_LEGEND = (
-    "needed: yes = this torch has the failure; partly = this torch repairs part of it and the plugin the rest; "
-    "no = nothing to fix"
-)
+NEEDED_LEGEND = "needed: yes = this torch has the failure; partly = torch repairs part, the plugin the rest; no = nothing to fix"
 
 
 def status_text(report: Any) -> str:
@@ -52,7 +49,9 @@ def status_text(report: Any) -> str:
     lines.append(format_table(rows))
     for fix in report.fixes.values():
         does = "" if "strategy" in fix.details else plugin_does(fix)
-        lines.append(f"{fix.name}: {fix.reason}" + (f"; the plugin {does}" if does else ""))
+        lines.append(f"{fix.name}: {fix.reason}")
+        if does:
+            lines.append(f"{fix.name}: the plugin {does}")
         upcast = fix.details.get("upcast")
         if upcast and upcast["params"]:
             lines.append(
@@ -60,5 +59,6 @@ def status_text(report: Any) -> str:
                 f"+{upcast['bytes']:,} bytes of fp32 master weights on this rank"
             )
         if fix.details.get("not_covered"):
-            lines.append(f"{fix.name}: not covered (grouped, sharded before install): {', '.join(fix.details['not_covered'])}")
+            not_covered = ", ".join(fix.details["not_covered"])
+            lines.append(f"{fix.name}: not covered (grouped, sharded before install): {not_covered}")
     return "\n".join(lines)
