@@ -9,10 +9,14 @@ for bit with its no-plugin reference.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
+import shutil
 import tempfile
 import types
 import unittest
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -94,6 +98,19 @@ def accelerate_efficient_load(model: nn.Module, rank: int, mp_policy) -> nn.Modu
     return fsdp2_load_full_state_dict(accelerator, model, full_sd)
 
 
+@contextlib.contextmanager
+def shared_temp_dir(name: str) -> Iterator[str]:
+    """One new directory for every rank (ranks share this machine), removed by rank 0 afterwards."""
+    path = [tempfile.mkdtemp(prefix=name) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    try:
+        yield path[0]
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
+
+
 def perturbed_fp32_masters(model: nn.Module) -> dict[str, torch.Tensor]:
     """fp32 values no bf16 can hold, for every (trainable) parameter: a checkpoint of fp32 master weights."""
     generator = torch.Generator().manual_seed(7)
@@ -148,6 +165,51 @@ class TestAccelerateLoading(FSDPExtTestCase):
         self.assertEqual({p.dtype for p in model.parameters()}, {torch.float32})
 
 
+def accelerate_prepare(rank: int, world_size: int, cpu_ram_efficient_loading: bool) -> nn.Module:
+    """accelerate itself: ``Accelerator(mixed_precision="no")`` with an FSDP2 plugin, then ``prepare(model)``.
+
+    Note: accelerate turns FSDP on only on an accelerator; as its GPU branch does, this sets the
+    state's distributed type and plugin by hand, here, for CPU ranks.
+    """
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    AcceleratorState._reset_state(True)
+    fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        cpu_ram_efficient_loading=cpu_ram_efficient_loading,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["MixedBlock"],
+    )
+    accelerator = Accelerator(mixed_precision="no", fsdp_plugin=fsdp_plugin)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = fsdp_plugin
+    return accelerator.prepare(mixed_llama())
+
+
+class TestAccelerateEndToEnd(FSDPExtTestCase):
+    @needs_accelerate
+    @plugin_specific
+    def test_default_efficient_loading_trains_as_loading_on_every_rank(self):
+        """accelerate 1.15, mixed_precision "no", fsdp_cpu_ram_efficient_loading true (its default) vs false."""
+        if HAS_DTYPE_BUG:
+            with plugin(False):
+                model = accelerate_prepare(self.rank, self.world_size, cpu_ram_efficient_loading=True)
+                with self.assertRaisesRegex(AssertionError, "uniform original parameter dtype"):
+                    model(batch(self.rank))
+        with plugin(True):
+            reference = accelerate_prepare(self.rank, self.world_size, cpu_ram_efficient_loading=False)
+            reference_losses = train(reference, self.rank)
+            model = accelerate_prepare(self.rank, self.world_size, cpu_ram_efficient_loading=True)
+            losses = train(model, self.rank)
+        self.assertEqual(type(model).__name__, "FSDPMixedLlama")
+        self.assertTrue(all(torch.isfinite(loss) for loss in losses), losses)
+        self.assertEqual(losses, reference_losses, atol=0, rtol=0)
+        self.assertEqual(full_params(model), full_params(reference), atol=0, rtol=0)
+
+
 class TestTorchLoaders(FSDPExtTestCase):
     @plugin_specific
     def test_set_model_state_dict_broadcast_from_rank0_keeps_fp32_masters(self):
@@ -175,22 +237,20 @@ class TestTorchLoaders(FSDPExtTestCase):
             trained = shard_with_embedding_unit(seed_000_model(), BF16_MP)
             train(trained, self.rank, steps=1)  # fp32 masters no bf16 can hold
             expected = full_params(trained)
-            path = [os.path.join(tempfile.gettempdir(), f"upcast_contract_{os.getpid()}")]
-            dist.broadcast_object_list(path, src=0)
-            dcp.save(trained.state_dict(), checkpoint_id=path[0])
-
-            with torch.device("meta"):
-                model = seed_000_model()
-            shard_with_embedding_unit(model, BF16_MP)
-            model.to_empty(device="cpu")
-            with torch.no_grad():
-                for param in model.parameters():
-                    param.normal_()  # torchtitan's init_weights, overwritten by the load
-            state = model.state_dict()
-            dcp.load(state, checkpoint_id=path[0])
-            model.load_state_dict(state)
-            model(batch(self.rank))
-            model.reshard()
+            with shared_temp_dir("upcast_contract_dcp") as path:
+                dcp.save(trained.state_dict(), checkpoint_id=path)
+                with torch.device("meta"):
+                    model = seed_000_model()
+                shard_with_embedding_unit(model, BF16_MP)
+                model.to_empty(device="cpu")
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.normal_()  # torchtitan's init_weights, overwritten by the load
+                state = model.state_dict()
+                dcp.load(state, checkpoint_id=path)
+                model.load_state_dict(state)
+                model(batch(self.rank))
+                model.reshard()
         loaded = full_params(model)
         self.assertEqual({n: t.dtype for n, t in loaded.items()}, {n: t.dtype for n, t in expected.items()})
         self.assertEqual(loaded, expected, atol=0, rtol=0)
@@ -210,6 +270,63 @@ class TestWholeModel(FSDPExtTestCase):
         self.assertEqual(model.embed.weight.dtype, torch.float32)
         self.assertEqual(losses, reference_losses, atol=0, rtol=0)
         self.assertEqual(full_params(model), reference_params, atol=0, rtol=0)
+
+
+def pretrained_llama(path: str):
+    """``from_pretrained(dtype=bf16)`` of a tiny Llama whose class keeps its norms in fp32.
+
+    Note: ``_keep_in_fp32_modules_strict``, the form transformers 5 applies to bf16 loads too
+    (``_keep_in_fp32_modules`` alone applies to fp16 loads).
+    """
+    from transformers import LlamaForCausalLM
+
+    class KeepNormsLlama(LlamaForCausalLM):
+        _keep_in_fp32_modules_strict = ["input_layernorm", "post_attention_layernorm", "norm"]
+
+    return KeepNormsLlama.from_pretrained(path, dtype=torch.bfloat16)
+
+
+class TestTransformers(FSDPExtTestCase):
+    @unittest.skipIf(importlib.util.find_spec("transformers") is None, "transformers is not installed")
+    @plugin_specific
+    def test_from_pretrained_bf16_with_keep_in_fp32_modules_equals_model_float(self):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        with shared_temp_dir("upcast_contract_llama") as path:
+            if self.rank == 0:
+                config = LlamaConfig(
+                    vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=2, max_position_embeddings=32,
+                )
+                torch.manual_seed(0)
+                LlamaForCausalLM(config).save_pretrained(path)
+            dist.barrier()
+            loaded, for_reference = pretrained_llama(path), pretrained_llama(path)
+
+        def shard_and_train(model: nn.Module) -> tuple[list[torch.Tensor], dict]:
+            model.config._attn_implementation = "eager"
+            for layer in model.model.layers:
+                fully_shard(layer, mp_policy=BF16_MP)
+            fully_shard(model, mp_policy=BF16_MP)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses = []
+            for step in range(STEPS):
+                tokens = batch(self.rank, step)
+                loss = model(input_ids=tokens, labels=tokens).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.detach())
+            return losses, full_params(model)
+
+        self.assertEqual(loaded.model.norm.weight.dtype, torch.float32)
+        self.assertEqual(loaded.model.layers[0].mlp.up_proj.weight.dtype, torch.bfloat16)
+        with plugin(False):
+            reference = shard_and_train(for_reference.float())
+        with plugin(True):
+            result = shard_and_train(loaded)
+        self.assertEqual(result[0], reference[0], atol=0, rtol=0)
+        self.assertEqual(result[1], reference[1], atol=0, rtol=0)
 
 
 class HFRMSNorm(nn.Module):
