@@ -169,13 +169,16 @@ def accelerate_prepare(rank: int, world_size: int, cpu_ram_efficient_loading: bo
     """accelerate itself: ``Accelerator(mixed_precision="no")`` with an FSDP2 plugin, then ``prepare(model)``.
 
     Note: accelerate turns FSDP on only on an accelerator; as its GPU branch does, this sets the
-    state's distributed type and plugin by hand, here, for CPU ranks.
+    state's distributed type and plugin by hand, here, for CPU ranks (``cpu=True``: accelerate's
+    multi-CPU state, so that only rank 0 is its main process).
     """
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # What a launcher sets; accelerate reuses the process group already initialized here.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
     AcceleratorState._reset_state(True)
     fsdp_plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2,
@@ -183,7 +186,7 @@ def accelerate_prepare(rank: int, world_size: int, cpu_ram_efficient_loading: bo
         auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=["MixedBlock"],
     )
-    accelerator = Accelerator(mixed_precision="no", fsdp_plugin=fsdp_plugin)
+    accelerator = Accelerator(cpu=True, mixed_precision="no", fsdp_plugin=fsdp_plugin)
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = fsdp_plugin
     return accelerator.prepare(mixed_llama())
