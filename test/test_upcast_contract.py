@@ -33,7 +33,7 @@ from common import (
     HAS_DTYPE_BUG,
     FSDPExtTestCase,
     batch,
-    error_text,
+    full_grads,
     full_params,
     lm_loss,
     mixed_llama,
@@ -467,6 +467,35 @@ class TestPolicyNeverSilentlyOff(FSDPExtTestCase):
 
         self.assertEqual(norm_output_dtype(uninstall_first=False), torch.float32)
         self.assertEqual(norm_output_dtype(uninstall_first=True), torch.float32)
+
+
+@unittest.skipUnless(_compute_dtype.TORCH_HAS_OVERRIDE, "this torch has no native param_dtype_override_fn")
+class TestNativePolicy(FSDPExtTestCase):
+    @plugin_specific
+    def test_native_override_policy_computes_the_same_with_and_without_the_plugin(self):
+        """compute_in_loaded_dtype carries its own boundary casts: the plugin adds nothing to torch's policy."""
+
+        def loss_and_grads(enabled: bool) -> tuple[torch.Tensor, dict, torch.dtype]:
+            with plugin(enabled):
+                torch.manual_seed(0)
+                model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+                policy = MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16,
+                    reduce_dtype=torch.float32,
+                    param_dtype_override_fn=torch_fsdp_ext.compute_in_loaded_dtype(model, [nn.LayerNorm]),
+                )
+                fully_shard(model, mp_policy=policy)
+                seen = []
+                model[1].register_forward_hook(lambda module, args, output: seen.append(args[0].dtype))
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(self.rank))
+                loss = model(x).float().pow(2).mean()
+                loss.backward()
+                return loss.detach(), full_grads(model), seen[0]
+
+        without, with_plugin = loss_and_grads(False), loss_and_grads(True)
+        self.assertEqual(without[2], torch.float32)  # the norm computes in its loaded dtype without the plugin too
+        self.assertEqual(with_plugin[0], without[0], atol=0, rtol=0)
+        self.assertEqual(with_plugin[1], without[1], atol=0, rtol=0)
 
 
 if __name__ == "__main__":
