@@ -75,6 +75,13 @@ PATCHES = (
     ),
 )
 
+# PR 2's previous design (v3), kept to show that the cases its review found are the new
+# tests' failures: each of these (cases 1(a)-(c)) must fail against it and pass against PR 2.
+# Case 2 is not among them: in the CPU simulation the previous design raises for it too.
+PREVIOUS_PR2 = "pr2-recompute-root-input-move-v3.patch"
+REVIEW_CASES_TEST = "tools/upstream/test_recompute_inputs_on_cpu.py"
+REVIEW_CASES = "test_review_case and review_1"
+
 REDIRECT = '''\
 # Written by tools/upstream/check.py: import FSDP2 from the patched copy next to this file.
 import importlib.abc
@@ -149,6 +156,23 @@ def failed_tests(junit_xml: str) -> list[str]:
     return failed
 
 
+def patched_env(patch: Patch, tmp: str) -> dict[str, str]:
+    """The environment of a test run against FSDP2 patched with ``patch`` in ``tmp``."""
+    with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
+        f.write(REDIRECT)
+    env = dict(
+        os.environ,
+        TORCH_FSDP_EXT_DISABLE="1",
+        TORCH_FSDP_EXT_TESTS_UPSTREAM_ONLY="1",
+        TORCH_FSDP_EXT_TEST_TIMEOUT=str(TEST_TIMEOUT_S),
+        UPSTREAM_TEST_FILE=os.path.join(tmp, patch.upstream_test),
+        UPSTREAM_TEST_RANKS_FOR_DEVICES="1" if patch.ranks_for_devices else "0",
+        PYTORCH_PRINT_REPRO_ON_FAILURE="0",
+    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tmp, ROOT, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
 def check_patch(patch: Patch, pytest_args: list[str]) -> list[str]:
     """Returns what failed (empty when the patch passed)."""
     print(f"\n=== {patch.file}")
@@ -159,19 +183,8 @@ def check_patch(patch: Patch, pytest_args: list[str]) -> list[str]:
         copy_package(tmp)
         if not apply(patch.file, tmp):
             return ["git apply"]
-        with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
-            f.write(REDIRECT)
-        upstream_test = os.path.join(tmp, patch.upstream_test)
-        env = dict(
-            os.environ,
-            TORCH_FSDP_EXT_DISABLE="1",
-            TORCH_FSDP_EXT_TESTS_UPSTREAM_ONLY="1",
-            TORCH_FSDP_EXT_TEST_TIMEOUT=str(TEST_TIMEOUT_S),
-            UPSTREAM_TEST_FILE=upstream_test,
-            UPSTREAM_TEST_RANKS_FOR_DEVICES="1" if patch.ranks_for_devices else "0",
-            PYTORCH_PRINT_REPRO_ON_FAILURE="0",
-        )
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (tmp, ROOT, os.environ.get("PYTHONPATH")) if p)
+        env = patched_env(patch, tmp)
+        upstream_test = env["UPSTREAM_TEST_FILE"]
         where = subprocess.run(
             [sys.executable, "-c", "import torch.distributed.fsdp._fully_shard._fsdp_state as m; print(m.__file__)"],
             env=env, capture_output=True, text=True,
@@ -194,6 +207,30 @@ def check_patch(patch: Patch, pytest_args: list[str]) -> list[str]:
         return [f"pytest: {test}" for test in failed_tests(junit_xml)] or [
             f"pytest exited with status {run.returncode} and reported no failed test"
         ]
+
+
+def check_previous_pr2(pytest_args: list[str]) -> list[str]:
+    """The review cases fail against PR 2's previous design: returns those that did not."""
+    print(f"\n=== {PREVIOUS_PR2}: the review cases must fail")
+    with tempfile.TemporaryDirectory() as tmp:
+        copy_package(tmp)
+        if not apply(PREVIOUS_PR2, tmp):
+            return ["git apply"]
+        junit_xml = os.path.join(tmp, "junit.xml")
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", f"--junitxml={junit_xml}", os.path.join(ROOT, REVIEW_CASES_TEST),
+             "-k", REVIEW_CASES, *pytest_args],
+            cwd=ROOT, env=patched_env(PATCHES[1]._replace(file=PREVIOUS_PR2), tmp),
+        )
+        if not os.path.exists(junit_xml):
+            return ["pytest wrote no report"]
+        cases = [case for case in ET.parse(junit_xml).iter("testcase") if "review_1" in case.get("name", "")]
+        failed = {case.get("name") for case in cases if any(True for _ in (*case.iter("failure"), *case.iter("error")))}
+        for case in cases:
+            print(f"  {case.get('name')}: {'fails' if case.get('name') in failed else 'PASSES'} on {PREVIOUS_PR2}")
+        if not cases:
+            return [f"no {REVIEW_CASES} ran"]
+        return [f"passes on {PREVIOUS_PR2}: {case.get('name')}" for case in cases if case.get("name") not in failed]
 
 
 def check_stack() -> list[str]:
@@ -226,6 +263,9 @@ def main() -> int:
         patch.file: timed(patch.file, lambda patch=patch: check_patch(patch, pytest_args), durations)
         for patch in PATCHES
     }
+    failures[f"{PREVIOUS_PR2} (review cases fail)"] = timed(
+        f"{PREVIOUS_PR2} (review cases fail)", lambda: check_previous_pr2(pytest_args), durations
+    )
     failures["stack"] = timed("stack", check_stack, durations)
     print(f"\n=== summary (each multi-process test may take {TEST_TIMEOUT_S} s)")
     for name, failed in failures.items():
