@@ -16,6 +16,8 @@ For each patch in ``PATCHES``:
    (``test_on_cpu.py``), and the patch's project tests. Tests of the plugin's own
    machinery are skipped in that run (``plugin_specific`` in test/common.py).
 
+Then it applies PR 2's previous version (``PREVIOUS_PR2``) to a fresh copy and runs the review
+cases 1(a)-(c) of ``test_recompute_inputs_on_cpu.py`` there: each must fail (they pass on PR 2).
 Finally it checks that the patches also apply one after the other (the stack).
 Exits non-zero if any step of any patch fails; the summary names each failed step and
 test (with its exception line, e.g. a rank's assertion or a timeout) and how long each step took.
