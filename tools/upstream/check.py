@@ -220,7 +220,8 @@ def check_previous_pr2(pytest_args: list[str]) -> list[str]:
             return ["git apply"]
         junit_xml = os.path.join(tmp, "junit.xml")
         subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", f"--junitxml={junit_xml}", os.path.join(ROOT, REVIEW_CASES_TEST),
+            [sys.executable, "-m", "pytest", "-q", "--tb=no", f"--junitxml={junit_xml}",
+             os.path.join(ROOT, REVIEW_CASES_TEST),
              "-k", REVIEW_CASES, *pytest_args],
             cwd=ROOT, env=patched_env(PATCHES[1]._replace(file=PREVIOUS_PR2), tmp),
         )
@@ -228,8 +229,11 @@ def check_previous_pr2(pytest_args: list[str]) -> list[str]:
             return ["pytest wrote no report"]
         cases = [case for case in ET.parse(junit_xml).iter("testcase") if "review_1" in case.get("name", "")]
         failed = {case.get("name") for case in cases if any(True for _ in (*case.iter("failure"), *case.iter("error")))}
+        reasons = failed_tests(junit_xml)
         for case in cases:
-            print(f"  {case.get('name')}: {'fails' if case.get('name') in failed else 'PASSES'} on {PREVIOUS_PR2}")
+            name = case.get("name")
+            reason = next((r for r in reasons if f"::{name} (" in r), "")
+            print(f"  {name}: {'fails' if name in failed else 'PASSES'} on {PREVIOUS_PR2} {reason[reason.find(' ('):]}")
         if not cases:
             return [f"no {REVIEW_CASES} ran"]
         return [f"passes on {PREVIOUS_PR2}: {case.get('name')}" for case in cases if case.get("name") not in failed]
