@@ -20,8 +20,10 @@ forward, so the patched FSDP must raise instead of replaying the move. In
 FSDP already runs the recomputation, silently: block 0, still idle, claims the iteration
 root and moves the input.
 
-Run by ``check.py`` against the patched FSDP2 copy; against unpatched torch 2.15.0 every
-case but ``nested_blocks`` fails.
+Run by ``check.py`` against the patched FSDP2 copy. Against unpatched torch 2.15.0 every
+layout of ``test_checkpoint_with_cpu_inputs`` but ``nested_blocks`` fails; of ``test_review_case``,
+1(a)-(c) pass (nothing moves, so they are unpatched FSDP's computation) and 2 fails (the stand-in
+cannot show the device mismatch a GPU reports; the recomputation draws another mask).
 """
 
 from __future__ import annotations
