@@ -16,6 +16,8 @@ For each patch in ``PATCHES``:
    (``test_on_cpu.py``), and the patch's project tests. Tests of the plugin's own
    machinery are skipped in that run (``plugin_specific`` in test/common.py).
 
+Then it applies PR 2's previous version (``PREVIOUS_PR2``) to a fresh copy and runs the review
+cases 1(a)-(c) of ``test_recompute_inputs_on_cpu.py`` there: each must fail (they pass on PR 2).
 Finally it checks that the patches also apply one after the other (the stack).
 Exits non-zero if any step of any patch fails; the summary names each failed step and
 test (with its exception line, e.g. a rank's assertion or a timeout) and how long each step took.
@@ -74,6 +76,13 @@ PATCHES = (
         ranks_for_devices=False,  # its test moves CPU inputs to a real accelerator
     ),
 )
+
+# PR 2's previous design (v3), kept to show that the cases its review found are the new
+# tests' failures: each of these (cases 1(a)-(c)) must fail against it and pass against PR 2.
+# Case 2 is not among them: in the CPU simulation the previous design raises for it too.
+PREVIOUS_PR2 = "pr2-recompute-root-input-move-v3.patch"
+REVIEW_CASES_TEST = "tools/upstream/test_recompute_inputs_on_cpu.py"
+REVIEW_CASES = "test_review_case and review_1"
 
 REDIRECT = '''\
 # Written by tools/upstream/check.py: import FSDP2 from the patched copy next to this file.
@@ -149,6 +158,23 @@ def failed_tests(junit_xml: str) -> list[str]:
     return failed
 
 
+def patched_env(patch: Patch, tmp: str) -> dict[str, str]:
+    """The environment of a test run against FSDP2 patched with ``patch`` in ``tmp``."""
+    with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
+        f.write(REDIRECT)
+    env = dict(
+        os.environ,
+        TORCH_FSDP_EXT_DISABLE="1",
+        TORCH_FSDP_EXT_TESTS_UPSTREAM_ONLY="1",
+        TORCH_FSDP_EXT_TEST_TIMEOUT=str(TEST_TIMEOUT_S),
+        UPSTREAM_TEST_FILE=os.path.join(tmp, patch.upstream_test),
+        UPSTREAM_TEST_RANKS_FOR_DEVICES="1" if patch.ranks_for_devices else "0",
+        PYTORCH_PRINT_REPRO_ON_FAILURE="0",
+    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tmp, ROOT, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
 def check_patch(patch: Patch, pytest_args: list[str]) -> list[str]:
     """Returns what failed (empty when the patch passed)."""
     print(f"\n=== {patch.file}")
@@ -159,19 +185,8 @@ def check_patch(patch: Patch, pytest_args: list[str]) -> list[str]:
         copy_package(tmp)
         if not apply(patch.file, tmp):
             return ["git apply"]
-        with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
-            f.write(REDIRECT)
-        upstream_test = os.path.join(tmp, patch.upstream_test)
-        env = dict(
-            os.environ,
-            TORCH_FSDP_EXT_DISABLE="1",
-            TORCH_FSDP_EXT_TESTS_UPSTREAM_ONLY="1",
-            TORCH_FSDP_EXT_TEST_TIMEOUT=str(TEST_TIMEOUT_S),
-            UPSTREAM_TEST_FILE=upstream_test,
-            UPSTREAM_TEST_RANKS_FOR_DEVICES="1" if patch.ranks_for_devices else "0",
-            PYTORCH_PRINT_REPRO_ON_FAILURE="0",
-        )
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (tmp, ROOT, os.environ.get("PYTHONPATH")) if p)
+        env = patched_env(patch, tmp)
+        upstream_test = env["UPSTREAM_TEST_FILE"]
         where = subprocess.run(
             [sys.executable, "-c", "import torch.distributed.fsdp._fully_shard._fsdp_state as m; print(m.__file__)"],
             env=env, capture_output=True, text=True,
@@ -194,6 +209,34 @@ def check_patch(patch: Patch, pytest_args: list[str]) -> list[str]:
         return [f"pytest: {test}" for test in failed_tests(junit_xml)] or [
             f"pytest exited with status {run.returncode} and reported no failed test"
         ]
+
+
+def check_previous_pr2(pytest_args: list[str]) -> list[str]:
+    """The review cases fail against PR 2's previous design: returns those that did not."""
+    print(f"\n=== {PREVIOUS_PR2}: the review cases must fail")
+    with tempfile.TemporaryDirectory() as tmp:
+        copy_package(tmp)
+        if not apply(PREVIOUS_PR2, tmp):
+            return ["git apply"]
+        junit_xml = os.path.join(tmp, "junit.xml")
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "--tb=no", f"--junitxml={junit_xml}",
+             os.path.join(ROOT, REVIEW_CASES_TEST),
+             "-k", REVIEW_CASES, *pytest_args],
+            cwd=ROOT, env=patched_env(PATCHES[1]._replace(file=PREVIOUS_PR2), tmp),
+        )
+        if not os.path.exists(junit_xml):
+            return ["pytest wrote no report"]
+        cases = [case for case in ET.parse(junit_xml).iter("testcase") if "review_1" in case.get("name", "")]
+        failed = {case.get("name") for case in cases if any(True for _ in (*case.iter("failure"), *case.iter("error")))}
+        reasons = failed_tests(junit_xml)
+        for case in cases:
+            name = case.get("name")
+            reason = next((r for r in reasons if f"::{name} (" in r), "")
+            print(f"  {name}: {'fails' if name in failed else 'PASSES'} on {PREVIOUS_PR2} {reason[reason.find(' ('):]}")
+        if not cases:
+            return [f"no {REVIEW_CASES} ran"]
+        return [f"passes on {PREVIOUS_PR2}: {case.get('name')}" for case in cases if case.get("name") not in failed]
 
 
 def check_stack() -> list[str]:
@@ -226,6 +269,9 @@ def main() -> int:
         patch.file: timed(patch.file, lambda patch=patch: check_patch(patch, pytest_args), durations)
         for patch in PATCHES
     }
+    failures[f"{PREVIOUS_PR2} (review cases fail)"] = timed(
+        f"{PREVIOUS_PR2} (review cases fail)", lambda: check_previous_pr2(pytest_args), durations
+    )
     failures["stack"] = timed("stack", check_stack, durations)
     print(f"\n=== summary (each multi-process test may take {TEST_TIMEOUT_S} s)")
     for name, failed in failures.items():

@@ -20,8 +20,10 @@ forward, so the patched FSDP must raise instead of replaying the move. In
 FSDP already runs the recomputation, silently: block 0, still idle, claims the iteration
 root and moves the input.
 
-Run by ``check.py`` against the patched FSDP2 copy; against unpatched torch 2.15.0 every
-case but ``nested_blocks`` fails.
+Run by ``check.py`` against the patched FSDP2 copy. Against unpatched torch 2.15.0 every
+layout of ``test_checkpoint_with_cpu_inputs`` but ``nested_blocks`` fails; of ``test_review_case``,
+1(a)-(c) pass (nothing moves, so they are unpatched FSDP's computation) and 2 fails (the stand-in
+cannot show the device mismatch a GPU reports; the recomputation draws another mask).
 """
 
 from __future__ import annotations
@@ -51,9 +53,15 @@ class MovedTensors:
     def __contains__(self, tensor: torch.Tensor) -> bool:
         return any(tensor is moved for moved in self.tensors)
 
+    def on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` that reads as already on the device: the move leaves it as it is."""
+        moved = tensor.detach().clone()
+        self.tensors.append(moved)
+        return moved
+
     def to_kwargs(self, args, kwargs, device, use_side_stream):
         def move(value):
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and value not in self:
                 moved = value.detach().clone().requires_grad_(value.requires_grad)
                 self.tensors.append(moved)
                 return moved
@@ -74,6 +82,20 @@ class StandInDeviceHandle:
 
     def __getattr__(self, name: str):
         return getattr(self.handle, name)
+
+
+class StandInHandleWithoutRNGState(StandInDeviceHandle):
+    """A device handle that cannot read its device's RNG state."""
+
+    def __getattribute__(self, name: str):
+        if name == "get_rng_state":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+    def __getattr__(self, name: str):
+        if name == "get_rng_state":
+            raise AttributeError(name)
+        return super().__getattr__(name)
 
 
 class DeviceDropout(nn.Module):
@@ -108,11 +130,14 @@ class Model(nn.Module):
         self.checkpoint_blocks = False
         self.dropout = nn.Identity()
         self.root_ops = True  # False: hands its input straight to block 0
+        self.device_dropout: nn.Module = nn.Identity()  # applied when a forward asks for it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, device_dropout: bool = False) -> torch.Tensor:
         self.input_moved.append(x in self.moved)
         if self.root_ops:
             x = self.dropout(self.in_proj(x))
+        if device_dropout:
+            x = self.device_dropout(x)
         host_scale = torch.full((1,), 0.5)
         for block in self.blocks:
             x = checkpoint(block, x, host_scale, use_reentrant=False) if self.checkpoint_blocks else block(x, host_scale)
@@ -180,6 +205,84 @@ class TestRecomputeInputsOnCPU(FSDPExtTestCase):
                 checkpoint(block, inp, host_scale, use_reentrant=False).sum().backward()
                 ref_block(inp, host_scale).sum().backward()
                 self.assertEqual(block.host_input_moved, [True, True])  # forward and recomputation
+        for param in ref_model.parameters():
+            if param.grad is not None:
+                torch.distributed.all_reduce(param.grad)
+                param.grad.div_(self.world_size)
+        ref_grads = {name: p.grad for name, p in ref_model.named_parameters() if p.grad is not None}
+        self.assertEqual(full_grads(model), ref_grads)
+
+
+    # Note: the cases a review of the previous design found (it raised in 1(a)-(c), where
+    # unpatched FSDP runs, and recomputed 2 silently with another mask). In 1(a)-(c) the
+    # inputs are already on the device, so the move changes nothing and the result must
+    # be unpatched FSDP's, i.e. the same computation without FSDP; 2 must raise or be
+    # correct. check.py also runs 1(a)-(c) against the previous design, where each fails.
+    # Case 2 is loud on both here: in this simulation the previous design raises from block
+    # 0, which claims the iteration root during the recomputation (reported silent on a GPU).
+    @parametrize(
+        "case",
+        [
+            "review_1a_on_device_then_forward",
+            "review_1a_on_device_then_no_grad_forward",
+            "review_1b_on_device_no_preserve_rng_state_device_dropout",
+            "review_1c_on_device_handle_without_rng_state",
+            "review_2_root_twice_first_draws_device_rng",
+        ],
+    )
+    def test_review_case(self, case: str) -> None:
+        moved = MovedTensors()
+        torch.manual_seed(42)
+        model = Model(16, moved)
+        ref_model = copy.deepcopy(model)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        torch.manual_seed(42 + self.rank + 1)
+        inp = torch.randn((4, 16))
+        model(inp).sum().backward()  # lazy init from the root
+        model.zero_grad(set_to_none=True)
+        states = {fully_shard.state(m) for m in (model, *model.blocks)}
+        handle_type = StandInHandleWithoutRNGState if "without_rng_state" in case else StandInDeviceHandle
+        device_handle = handle_type(fully_shard.state(model)._device_handle)
+        ref_device_handle = StandInDeviceHandle(None)  # the same seed: draws what device_handle draws
+        model.device_dropout = DeviceDropout(device_handle)
+        ref_model.device_dropout = DeviceDropout(ref_device_handle)
+        on_device = "on_device" in case
+        with (
+            mock.patch.multiple(fsdp_state, _to_kwargs=moved.to_kwargs),
+            contextlib.ExitStack() as stack,
+        ):
+            for state in states:
+                stack.enter_context(mock.patch.object(state, "_device", torch.device("cuda")))
+                stack.enter_context(mock.patch.object(state, "_device_handle", device_handle))
+            x = moved.on_device(inp) if on_device else inp
+            if case.startswith("review_1a"):
+                loss = checkpoint(model, x, use_reentrant=False).sum()
+                with torch.no_grad() if "no_grad" in case else contextlib.nullcontext():
+                    model(x)  # another forward of the root before backward
+                loss.backward()
+                ref_model(inp).sum().backward()
+            elif case.startswith("review_1b"):
+                checkpoint(model, x, device_dropout=True, use_reentrant=False, preserve_rng_state=False).sum().backward()
+                checkpoint(
+                    ref_model, inp, device_dropout=True, use_reentrant=False, preserve_rng_state=False
+                ).sum().backward()
+            elif case.startswith("review_1c"):
+                checkpoint(model, x, use_reentrant=False).sum().backward()
+                ref_model(inp).sum().backward()
+            else:
+                # Only the first region draws device random numbers; checkpoint restores none
+                # of them (its arguments are on CPU)
+                first = checkpoint(model, x, device_dropout=True, use_reentrant=False)
+                second = checkpoint(model, x, use_reentrant=False)
+                loss = second.sum() + first.sum()
+                try:
+                    loss.backward()
+                except RuntimeError as error:
+                    self.assertIn("Move the inputs to cuda before calling checkpoint", str(error))
+                    return  # loud
+                (ref_model(inp, device_dropout=True).sum() + ref_model(inp).sum()).backward()
         for param in ref_model.parameters():
             if param.grad is not None:
                 torch.distributed.all_reduce(param.grad)
