@@ -214,7 +214,11 @@ class RecomputeReplay:
 
     # -- what this release needs -----------------------------------------------
 
-    def needed(self) -> tuple[bool, str]:
+    def needed(self) -> tuple[bool | None, str]:
+        """(None, why) where this torch's checkpoint or FSDP forward state is not what the wrappers read."""
+        unlike = _compat.probe_checkpoint_frames() or _compat.probe_fsdp_forward_state()
+        if unlike is not None:
+            return None, f"torch's internals changed ({unlike}); the recompute fix stands aside"
         casts = _compat.probe_recompute_casts_inputs()
         moves = _compat.probe_recompute_moves_inputs()
         if casts and moves:
@@ -258,7 +262,7 @@ class RecomputeReplay:
         patches.wrap(internals.checkpoint_hook, "__exit__", self._wrap_exit)
         patches.wrap(internals.recomputation_hook, "__exit__", self._wrap_exit)
         pre, post = internals.FSDPState.__dict__["_pre_forward"], internals.FSDPState.__dict__["_post_forward"]
-        pre_cell, post_cell = _compat.decorated_method_cell(pre), _compat.decorated_method_cell(post)
+        pre_cell, post_cell = _compat.switchable_method_cell(pre), _compat.switchable_method_cell(post)
         if pre_cell is not None and post_cell is not None:
             self.switch.add_cell(pre_cell, self._wrap_pre_forward(pre_cell.cell_contents))
             self.switch.add_cell(post_cell, self._wrap_post_forward(post_cell.cell_contents))
@@ -602,10 +606,14 @@ def _attach_records(original: Callable) -> Callable:
         original(hook, frame, *args, **kwargs)
         # Torch gives each frame one checkpoint hook: this is where the frame's records start.
         # setattr, not __dict__: a hook's attributes stay in CPython's inline values (_compat.param_groups_of).
-        records = FrameRecords()
-        setattr(hook, _RECORDS_ATTR, records)
-        setattr(frame, _RECORDS_ATTR, records)
-        records.contexts, records.hook, records.recompute_fn = {}, hook, frame.recompute_fn
+        # Note: never raises. A frame unlike the probed one gets no records: its region runs as torch alone runs it.
+        try:
+            records = FrameRecords()
+            records.contexts, records.hook, records.recompute_fn = {}, hook, frame.recompute_fn
+            setattr(frame, _RECORDS_ATTR, records)
+            setattr(hook, _RECORDS_ATTR, records)
+        except Exception:  # noqa: BLE001
+            pass
 
     return __init__
 
@@ -614,7 +622,10 @@ def _find_records(original: Callable) -> Callable:
     @wraps(original)
     def __init__(hook: Any, target_frame_ref: Any, *args: Any, **kwargs: Any) -> None:
         original(hook, target_frame_ref, *args, **kwargs)
-        setattr(hook, _RECORDS_ATTR, getattr(target_frame_ref(), _RECORDS_ATTR, None))
+        try:  # never raises, as _attach_records
+            setattr(hook, _RECORDS_ATTR, getattr(target_frame_ref(), _RECORDS_ATTR, None))
+        except Exception:  # noqa: BLE001
+            pass
 
     return __init__
 
