@@ -252,6 +252,7 @@ class RecomputeReplay:
         frames, frames_anywhere = self.frames, self.switch.frames_anywhere
         fix = self
         pre_backward = self.internals.TrainingState.PRE_BACKWARD
+        input_moving: dict[torch.device, bool] = {}  # device -> _compat.moves_inputs_to(device), asked once each
 
         @wraps(original)
         def _pre_forward(state: Any, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -274,8 +275,13 @@ class RecomputeReplay:
                 claims_root = state._state_ctx.iter_forward_root is None
                 inputs = (args, kwargs) if claims_root else None
                 args, kwargs = original(state, module, args, kwargs)
-                if claims_root and state._state_ctx.iter_forward_root is state and _compat.moves_inputs_to(state._device):
-                    context = fix.record_input_move(stack, recompute, context, state._device, inputs)
+                if claims_root and state._state_ctx.iter_forward_root is state:
+                    # Every forward of a block called directly is a root's: one dict read, not a call.
+                    moves = input_moving.get(state._device)
+                    if moves is None:
+                        moves = input_moving[state._device] = _compat.moves_inputs_to(state._device)
+                    if moves:
+                        context = fix.record_input_move(stack, recompute, context, state._device, inputs)
             if stack[-1] is not recompute:
                 # Forward frames above the innermost recompute: this region, and checkpoints nested in it.
                 for entry in reversed(stack):
