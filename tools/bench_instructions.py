@@ -6,10 +6,12 @@
     python tools/bench_instructions.py --functions 25 # also the C functions whose counts the plugin changes most
     python tools/bench_instructions.py --quick        # CI form: world 1, no checkpoint, 2 steps; bound checked
     python tools/bench_instructions.py --bytecodes    # no valgrind, seconds: the plugin's Python bytecodes per step
+    python tools/bench_instructions.py --layout roots # each checkpointed block is called directly, its own root
 
 Each count is ``torch.utils.benchmark.Timer(...).collect_callgrind()`` of 10 training steps (forward,
 ``.sum().backward()``) of a stack of 8 blocks (``Linear(32, 32)``), each ``fully_shard``-ed, plus the root,
-``param_dtype=bf16``. "added per FSDP forward" is the plugin's added count divided by the blocks' forwards
+``param_dtype=bf16`` (``--layout roots``: no root ``fully_shard``, so each block is an iteration root and
+claims, moves and releases it in every forward and recompute). "added per FSDP forward" is the plugin's added count divided by the blocks' forwards
 (8 per step, and 8 recomputes more with per-block checkpointing); the root's forward is in the total.
 
 Note: how the counts are taken. Callgrind re-imports torch in a fresh ``python``
@@ -64,6 +66,8 @@ WARMUP_STEPS = 3
 # 2.13.0, world size 1: at most half of what the plugin added before this tool existed (7,320 and 33,616).
 BOUND_PER_FORWARD = {False: 3_500, True: 16_000}
 PLAN_ENV = "TORCH_FSDP_EXT_INSTRUCTION_PLAN"
+LAYOUTS = ("stack", "roots")  # blocks under a sharded root; each block its own root
+layout = "stack"  # of the configurations main() counts
 SPEC_LENGTH = 512
 
 # Wrapper groups the breakdown bypasses one at a time: (fix, torch attributes it wraps).
@@ -135,7 +139,8 @@ def build(config: dict) -> torch.nn.Module:
         model.to(torch.bfloat16).float()
     for block in model.blocks:
         api.fully_shard(block, mp_policy=policy)
-    api.fully_shard(model, mp_policy=policy)
+    if config.get("layout", "stack") == "stack":
+        api.fully_shard(model, mp_policy=policy)
     return model
 
 
@@ -241,7 +246,8 @@ def count(configs: list[dict], world: int, steps: int, jobs: int) -> list[dict]:
 def config(checkpoint: bool, plugin: str | None, model: str = "plain", bypass: str | None = None,
            built: str | None = None) -> dict:
     """What one count runs: ``model`` sharded with the plugin in state ``built``, run in state ``plugin``."""
-    return {"checkpoint": checkpoint, "plugin": plugin, "model": model, "bypass": bypass, "built": built}
+    return {"checkpoint": checkpoint, "plugin": plugin, "model": model, "bypass": bypass, "built": built,
+            "layout": layout}
 
 
 def forwards_per_step(checkpoint: bool) -> int:
@@ -305,9 +311,14 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=2, help="callgrind processes at a time (default 2)")
     parser.add_argument("--count-one", metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument("--bytecodes", action="store_true", help="count the plugin's Python bytecodes (no valgrind)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="stack",
+                        help="stack: blocks under a sharded root (default); roots: each block its own root")
     args = parser.parse_args()
+    global layout
+    layout = args.layout
     if args.bytecodes:
-        print(f"torch {torch.__version__}: the plugin's Python bytecodes in one step, {BLOCKS} blocks, world size 1")
+        print(f"torch {torch.__version__}: the plugin's Python bytecodes in one step, {BLOCKS} blocks, world size 1, "
+              f"layout {layout}")
         for checkpoint in (False, True):
             counts = count_bytecodes(checkpoint)
             rows = [[name, f"{ops:,}", str(calls)] for name, (ops, calls) in sorted(counts.items(), key=lambda kv: -kv[1][0])]
@@ -324,7 +335,8 @@ def main() -> int:
     print(f"torch {torch.__version__}, torch_fsdp_ext {torch_fsdp_ext.__version__}, python {sys.version.split()[0]}, "
           f"PYTHONHASHSEED=0, {time.strftime('%Y-%m-%d', time.gmtime())}; fixes this torch needs: "
           + ", ".join(name for name, n in needed.items() if n))
-    print(f"{BLOCKS} blocks of Linear(32, 32), each fully_shard-ed, + root; param_dtype=bf16; "
+    print(f"{BLOCKS} blocks of Linear(32, 32), each fully_shard-ed, "
+          + ("+ root" if layout == "stack" else "each its own root (no root fully_shard)") + "; param_dtype=bf16; "
           f"instructions of {steps} steps (forward + backward) per configuration, one callgrind process each")
     ok = True
     for world in worlds:

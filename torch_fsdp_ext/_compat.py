@@ -849,3 +849,143 @@ def probe_recompute_moves_inputs() -> bool | None:
     except Exception:  # noqa: BLE001
         return None
     return bool(calls)
+
+
+# ---------------------------------------------------------------------------
+# Behaviour probes of what the recompute replay wraps and reads
+# ---------------------------------------------------------------------------
+
+# Note: why run a checkpoint. Every name the recompute replay wraps can still
+# resolve on a release where its meaning changed (the frame's recompute
+# function under another attribute, the recomputation hook given the frame and
+# not a weak reference to it), and its wrappers run for *every* non-reentrant
+# checkpoint in the process, FSDP or not. So before installing, one tiny
+# checkpoint without FSDP runs forward and backward with observers in place of
+# the hooks' ``__init__`` and ``__enter__``; the replay installs only where it
+# saw what its wrappers read. Observers, not the wrappers themselves: this
+# layer knows torch, not the fix.
+
+
+def _observe_checkpoint_hooks(internals: TorchInternals) -> list[tuple[str, Any]]:
+    """Run one non-reentrant checkpoint and its recomputation; return what the hooks were given, in order."""
+    seen: list[tuple[str, Any]] = []
+    originals = []
+
+    def observe(cls: type, method: str, event: str) -> None:
+        original = cls.__dict__.get(method)
+        inherited = getattr(cls, method)
+
+        def observer(hook: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.append((event, args[0] if args else None))
+            return inherited(hook, *args, **kwargs)
+
+        originals.append((cls, method, original))
+        setattr(cls, method, observer)
+
+    try:
+        observe(internals.checkpoint_hook, "__init__", "checkpoint")
+        observe(internals.checkpoint_hook, "__enter__", "forward")
+        observe(internals.recomputation_hook, "__init__", "recompute")
+        observe(internals.recomputation_hook, "__enter__", "recomputing")
+        x = torch.ones(2, requires_grad=True)
+        torch.utils.checkpoint.checkpoint(lambda t: (t * t).sin(), x, use_reentrant=False).sum().backward()
+    finally:
+        for cls, method, original in reversed(originals):
+            if original is None:
+                delattr(cls, method)
+            else:
+                setattr(cls, method, original)
+    return seen
+
+
+@functools.lru_cache(maxsize=None)
+def probe_checkpoint_frames() -> str | None:
+    """None where a non-reentrant checkpoint gives its hooks what the recompute replay reads; else what differs.
+
+    Read: ``_checkpoint_hook(frame)`` with ``frame.recompute_fn`` callable and
+    attributes settable on frame and hook; ``_recomputation_hook(ref)`` where
+    ``ref()`` is that frame; forward enters the checkpoint hook and backward the
+    recomputation hook, one each here.
+    """
+    internals = load_internals()
+    try:
+        seen = _observe_checkpoint_hooks(internals)
+    except Exception as e:  # noqa: BLE001
+        return f"a plain checkpoint failed under observation: {e!r}"
+    events = [event for event, _ in seen]
+    if events != ["checkpoint", "forward", "recompute", "recomputing"]:
+        return f"checkpoint calls its hooks as {events}, not checkpoint, forward, recompute, recomputing"
+    frame, frame_ref = seen[0][1], seen[2][1]
+    if not callable(getattr(frame, "recompute_fn", None)):
+        return f"{type(frame).__name__} has no callable recompute_fn"
+    if not isinstance(frame_ref, weakref.ReferenceType) or frame_ref() is not frame:
+        return f"_recomputation_hook is given {type(frame_ref).__name__}, not a weak reference to the frame"
+    try:
+        setattr(frame, "_torch_fsdp_ext_probe", None)
+        delattr(frame, "_torch_fsdp_ext_probe")
+    except Exception as e:  # noqa: BLE001
+        return f"{type(frame).__name__} takes no attributes: {e!r}"
+    return None
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def probe_fsdp_forward_state() -> str | None:
+    """None where FSDP's forward state has what the recompute replay's pre/post-forward wrappers read; else what not.
+
+    Read on a fresh ``FSDPState``: ``_training_state`` (a ``TrainingState``, with
+    ``PRE_BACKWARD``), ``_state_ctx.iter_forward_root`` (None, and claimed by
+    ``_root_pre_forward``); on a ``MixedPrecisionPolicy``: ``param_dtype``,
+    ``output_dtype``, ``cast_forward_inputs``. ``_device`` and ``_mp_policy``
+    are set by ``FSDPState.init``, which the probes of the casts exercise.
+    """
+    internals = load_internals()
+    try:
+        state = internals.FSDPState()
+        policy = internals.MixedPrecisionPolicy()
+        training_state = state._training_state
+        pre_backward = internals.TrainingState.PRE_BACKWARD
+        context = state._state_ctx
+    except Exception as e:  # noqa: BLE001
+        return f"FSDP's forward state differs: {e!r}"
+    if not isinstance(training_state, internals.TrainingState) or not isinstance(pre_backward, internals.TrainingState):
+        return "FSDPState._training_state is not a TrainingState"
+    if "iter_forward_root" not in getattr(context, "__dict__", {}) or context.iter_forward_root is not None:
+        return f"{type(context).__name__} has no iter_forward_root"
+    root_pre_forward = getattr(internals.FSDPState, "_root_pre_forward", None)
+    if getattr(root_pre_forward, "__code__", None) is None or "iter_forward_root" not in _code_names(
+        root_pre_forward.__code__
+    ):
+        return "FSDPState._root_pre_forward does not claim iter_forward_root"
+    missing = [a for a in ("param_dtype", "output_dtype", "cast_forward_inputs") if not hasattr(policy, a)]
+    if missing:
+        return f"MixedPrecisionPolicy has no {', '.join(missing)}"
+    return None
+
+
+def switchable_method_cell(method: Callable) -> types.CellType | None:
+    """``decorated_method_cell(method)`` where a call of ``method`` is seen to run what the cell holds; else None.
+
+    Note: the hook switch sets the cell to its wrapper; a decorator that keeps the
+    cell but no longer calls through it would leave the wrapper unused, so one
+    call with a stand-in in the cell checks it (and the cell is put back).
+    """
+    cell = decorated_method_cell(method)
+    if cell is None:
+        return None
+    original, calls = cell.cell_contents, []
+    cell.cell_contents = lambda *args, **kwargs: calls.append(args)
+    try:
+        method(None, None, (), {})
+    except Exception:  # noqa: BLE001 - a decorator that cannot be called so is not switchable
+        calls.clear()
+    finally:
+        cell.cell_contents = original
+    return cell if calls else None

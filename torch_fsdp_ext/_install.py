@@ -26,6 +26,7 @@ _active: dict[str, tuple[Any, PatchSet]] = globals().get("_active", {})  # fix n
 # The dtype strategy of an install() that names none: TORCH_FSDP_EXT_DTYPE_STRATEGY, else "upcast".
 _dtype_strategy: str = globals().get("_dtype_strategy", "upcast")
 _warned_unsupported = False
+_warned_stands_aside: set[str] = set()  # fixes whose probes failed, warned about once
 
 
 @dataclass
@@ -128,7 +129,12 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = 
             if name in _active:
                 continue
             fix = _make_fix(name, internals, _dtype_strategy)
-            if not fix.needed()[0]:
+            needed, reason = fix.needed()
+            if needed is None and name not in _warned_stands_aside:
+                # This fix alone stands aside: the others install as they would.
+                _warned_stands_aside.add(name)
+                warnings.warn(f"torch_fsdp_ext: fix {name!r} not installed: {reason}", RuntimeWarning, stacklevel=2)
+            if not needed:
                 continue
             patches = PatchSet()
             try:

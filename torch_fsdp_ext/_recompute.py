@@ -14,20 +14,11 @@ original one:
     torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Recomputed values for the
     following tensors have different metadata than during the forward pass.
 
-Note: how the replay is paired with the forward. While a checkpointed region runs
-forward, each FSDP pre-forward stashes a small ``ForwardContext`` (no tensors) on
-that region's ``_CheckpointFrame``, keyed by module (one FSDP state per module), in call order.
-Recomputing a frame runs the same modules in the same order, so a per-recompute
-cursor walks the same lists. Records live on the frame and die with it. A frame
-can be recomputed more than once (one per backward graph task), hence a cursor
-and not a queue that is consumed.
-
-Note: what a record holds. Only what the FSDP state does not tell: whether this
-call was the iteration root that moved the inputs (and then the RNG state of the
-device it moved them to, a few bytes on the host), and the autocast state. The
-input and output casts follow from the state's ``MixedPrecisionPolicy``, fixed
-at ``fully_shard`` time, so the replay reads them there, as upstream's own fix
-of the input cast does.
+The fix is in four parts: this module wraps torch's hooks and replays a forward's
+context; ``_recompute_records`` keeps what each checkpointed region's forward ran
+under; ``_recompute_replay`` follows one recomputation; ``_recompute_switch`` keeps
+the frames active per thread and switches FSDP's forward hooks to the wrappers
+only while there are some.
 
 Note: cost. Every FSDP pre-forward inside a checkpointed region runs this,
 so the common case is kept to a few attribute reads: autocast state is read
@@ -52,147 +43,16 @@ replay entered is undone when the recomputation hook exits.
 
 from __future__ import annotations
 
-import threading
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 
 from . import _compat
 from ._patching import PatchSet, wraps
-
-
-class ForwardContext(NamedTuple):
-    """The part of one module forward's context inside a checkpointed region that its FSDP state does not tell."""
-
-    moved_to: torch.device | None  # the iteration root moved inputs here
-    # (device_type, enabled, dtype) for the module's device type and CPU; empty: autocast was off everywhere.
-    autocast: tuple[tuple[str, bool, torch.dtype], ...]
-    autocast_cache: bool | None
-    # ``moved_to``'s RNG state when the inputs were moved (a few bytes on the host); None without a move.
-    device_rng_state: torch.Tensor | None = None
-
-
-_PLAIN_FORWARD = ForwardContext(moved_to=None, autocast=(), autocast_cache=None)  # by far the most common
-
-
-class FrameRecords:
-    """The forward contexts of one checkpointed region, kept on its ``_CheckpointFrame``.
-
-    While the region runs forward, its records are the region's entry on the thread's
-    frame stack. Built by ``_attach_records`` without an ``__init__`` of its own: a
-    Python-level call per region is a measurable part of what checkpointing costs here.
-    """
-
-    any_autocast = False  # some module forward in the region ran under autocast
-    any_replay = False  # some module forward's context is not _PLAIN_FORWARD
-    input_move_devices: tuple[torch.device, ...] = ()  # where root input moves in the region went
-    contexts: dict[Any, list[ForwardContext]]  # per module, in call order
-    hook: Any  # the region's _checkpoint_hook
-    recompute_fn: Callable  # the frame's, which knows the checkpoint's preserve_rng_state
-
-
-_RECORDS_ATTR = "_torch_fsdp_ext_records"
-
-
-class _Replay(NamedTuple):
-    """A replayed pre-forward whose post-forward still has work: exit autocast, cast the output."""
-
-    module: Any
-    output_dtype: torch.dtype | None
-    autocast_contexts: tuple[Any, ...]  # entered torch.amp.autocast objects, to exit
-
-
-class _RecomputeFrame:
-    """A ``_recomputation_hook`` that is active: one recomputation of one region."""
-
-    __slots__ = (
-        "hook", "contexts", "cursor", "open", "autocast_on_entry", "replays_every_forward", "outer",
-        "device_rng_on_entry", "device_rng_set",
-    )
-
-    def __init__(self, hook: Any, records: FrameRecords, outer: _RecomputeFrame | None) -> None:
-        self.hook = hook
-        self.contexts = records.contexts
-        # RNG state per device of a root input move when this recomputation began, restored when it ends;
-        # None: the region moved no inputs, or its checkpoint does not preserve RNG state.
-        self.device_rng_on_entry: dict[torch.device, torch.Tensor] | None = None
-        self.device_rng_set: set[torch.device] = set()  # devices whose RNG state the replay set
-        self.cursor: dict[Any, int] = {}
-        self.open: list[_Replay] = []
-        # Autocast state per device type when this recomputation began; None: autocast is not replayed.
-        self.autocast_on_entry: dict[str, tuple[bool, torch.dtype]] | None = None
-        # A plain forward (no root move, autocast off) needs a replay too: a cast or autocast to restore.
-        self.replays_every_forward = False
-        self.outer = outer  # the recomputation this one runs inside, if any
-
-    def next_context(self, module: Any) -> ForwardContext | None:
-        index = self.cursor.get(module, 0)
-        contexts = self.contexts.get(module)
-        if contexts is None or index >= len(contexts):
-            return None
-        self.cursor[module] = index + 1
-        return contexts[index]
-
-
-class _ActiveFrames(threading.local):
-    """Checkpoint frames active on this thread, innermost last (saved-tensor hooks are per thread).
-
-    Note: ``recompute`` is the innermost entry of ``stack`` that is a
-    recomputation, so that the hooks, which run for every FSDP module forward,
-    find it without a search. Recomputations are ``with`` blocks inside
-    checkpoint's unpack hook, so they end in the reverse order of their start;
-    a region's forward can end out of order (its generator is closed late when
-    the forward raised), hence a list for ``stack``.
-    """
-
-    def __init__(self) -> None:
-        self.stack: list[FrameRecords | _RecomputeFrame] = []
-        self.recompute: _RecomputeFrame | None = None
-
-
-class _HookSwitch:
-    """Counts the frames on the stacks of all threads; where it can, puts the wrappers of
-    FSDP's pre/post-forward in place only while there is one.
-
-    Note: why switch. FSDP's hooks run for every module forward, most of them
-    in no checkpointed region, where the replay has nothing to do. Torch
-    decorates ``FSDPState._pre_forward``/``_post_forward`` for dynamo with a
-    wrapper that calls the undecorated method through a closure cell; that
-    decorated function is what every module's hooks are bound to, including
-    grouped ``fully_shard([a, b])`` closures and modules sharded before
-    ``install()``. Setting the cell to our wrapper while some thread has a frame,
-    and back to torch's method when the last one ends, makes every other forward
-    run exactly torch's code, and needs no hook re-bound. Where torch's method has
-    no such cell, the wrappers replace the class attributes for as long as the fix
-    is installed, and test ``frames_anywhere`` first (one list read).
-    """
-
-    def __init__(self) -> None:
-        # Note: re-entrant. A region whose forward raised ends when the garbage collector
-        # closes its generator, which can happen at any allocation, also inside push or pop
-        # on the same thread (a plain Lock deadlocked there: the ranks of a test hung).
-        self.lock = threading.RLock()
-        # One entry per frame on any thread's stack: append/pop are atomic under the GIL.
-        self.frames_anywhere: list[None] = []
-        self.cells: list[list] = []  # [cell, torch's method, our wrapper]
-
-    def add_cell(self, cell: Any, wrapper: Callable) -> None:
-        self.cells.append([cell, cell.cell_contents, wrapper])
-
-    # Note: a push and a pop run once per checkpointed region, and a Python call costs about
-    # as much as their work: the region's forward-enter and exit wrappers inline them; only a
-    # recomputation that replays calls this method.
-    def push(self) -> None:
-        with self.lock:
-            self.frames_anywhere.append(None)
-            if len(self.frames_anywhere) == 1:
-                for cell, _, wrapper in self.cells:
-                    cell.cell_contents = wrapper
-
-    def restore(self) -> None:
-        for cell, original, _ in self.cells:
-            cell.cell_contents = original
+from ._recompute_records import PLAIN_FORWARD, RECORDS_ATTR, ForwardContext, attach_records, capture_autocast, find_records
+from ._recompute_replay import RecomputeFrame, Replay, autocast_device_types, autocast_off, unwind
+from ._recompute_switch import ActiveFrames, HookSwitch, remove_entry
 
 
 class RecomputeReplay:
@@ -204,8 +64,8 @@ class RecomputeReplay:
     def __init__(self, internals: _compat.TorchInternals) -> None:
         self.internals = internals
         self.active = False
-        self.frames = _ActiveFrames()
-        self.switch = _HookSwitch()
+        self.frames = ActiveFrames()
+        self.switch = HookSwitch()
         # What this release already replays by itself (probed once, cached).
         self.upstream_casts_inputs = bool(_compat.probe_recompute_casts_inputs())
         self.upstream_casts_outputs = bool(_compat.probe_recompute_casts_outputs())
@@ -214,7 +74,11 @@ class RecomputeReplay:
 
     # -- what this release needs -----------------------------------------------
 
-    def needed(self) -> tuple[bool, str]:
+    def needed(self) -> tuple[bool | None, str]:
+        """(None, why) where this torch's checkpoint or FSDP forward state is not what the wrappers read."""
+        unlike = _compat.probe_checkpoint_frames() or _compat.probe_fsdp_forward_state()
+        if unlike is not None:
+            return None, f"torch's internals changed ({unlike}); the recompute fix stands aside"
         casts = _compat.probe_recompute_casts_inputs()
         moves = _compat.probe_recompute_moves_inputs()
         if casts and moves:
@@ -244,21 +108,21 @@ class RecomputeReplay:
 
     @property
     def switches_hooks(self) -> bool:
-        """The pre/post-forward wrappers are in place only while a checkpoint frame is (``_HookSwitch``)."""
+        """The pre/post-forward wrappers are in place only while a checkpoint frame is (``HookSwitch``)."""
         return bool(self.switch.cells)
 
     # -- install ---------------------------------------------------------------
 
     def install(self, patches: PatchSet) -> None:
         internals = self.internals
-        patches.wrap(internals.checkpoint_hook, "__init__", _attach_records)
-        patches.wrap(internals.recomputation_hook, "__init__", _find_records)
+        patches.wrap(internals.checkpoint_hook, "__init__", attach_records)
+        patches.wrap(internals.recomputation_hook, "__init__", find_records)
         patches.wrap(internals.checkpoint_hook, "__enter__", self._wrap_forward_enter)
         patches.wrap(internals.recomputation_hook, "__enter__", self._wrap_recompute_enter)
         patches.wrap(internals.checkpoint_hook, "__exit__", self._wrap_exit)
         patches.wrap(internals.recomputation_hook, "__exit__", self._wrap_exit)
         pre, post = internals.FSDPState.__dict__["_pre_forward"], internals.FSDPState.__dict__["_post_forward"]
-        pre_cell, post_cell = _compat.decorated_method_cell(pre), _compat.decorated_method_cell(post)
+        pre_cell, post_cell = _compat.switchable_method_cell(pre), _compat.switchable_method_cell(post)
         if pre_cell is not None and post_cell is not None:
             self.switch.add_cell(pre_cell, self._wrap_pre_forward(pre_cell.cell_contents))
             self.switch.add_cell(post_cell, self._wrap_post_forward(post_cell.cell_contents))
@@ -305,10 +169,10 @@ class RecomputeReplay:
         @wraps(original)
         def __enter__(hook: Any) -> Any:
             result = original(hook)
-            records = getattr(hook, _RECORDS_ATTR, None)  # set by _attach_records
+            records = getattr(hook, RECORDS_ATTR, None)  # set by attach_records
             if records is not None and fix.active:
                 frames.stack.append(records)
-                with lock:  # _HookSwitch.push
+                with lock:  # HookSwitch.push
                     frames_anywhere.append(None)
                     if len(frames_anywhere) == 1:
                         for cell, _, wrapper in cells:
@@ -320,7 +184,7 @@ class RecomputeReplay:
     def _wrap_recompute_enter(self, original: Callable) -> Callable:
         frames, switch = self.frames, self.switch
         fix = self
-        device_types = _autocast_device_types()
+        device_types = autocast_device_types()
         # Checkpoint restores the forward's CPU autocast itself, so an autocast the backward runs
         # under can only leak into a recomputation through an accelerator's device type.
         ambient_autocast_can_leak = len(device_types) > 1
@@ -329,7 +193,7 @@ class RecomputeReplay:
         @wraps(original)
         def __enter__(hook: Any) -> Any:
             result = original(hook)
-            records = getattr(hook, _RECORDS_ATTR, None)  # set by _find_records
+            records = getattr(hook, RECORDS_ATTR, None)  # set by find_records
             # No record: no FSDP module ran forward in this region (nor in checkpoints nested in it), so
             # none runs in its recomputation either; e.g. checkpoint_wrapper applied inside an FSDP unit.
             if records is None or not records.contexts or not fix.active:
@@ -340,7 +204,7 @@ class RecomputeReplay:
             # FSDP hooks inside it take their fast path.
             if not (replays_casts or replays_autocast or records.any_replay or frames.stack):
                 return result
-            entry = _RecomputeFrame(hook, records, frames.recompute)
+            entry = RecomputeFrame(hook, records, frames.recompute)
             if replays_autocast:
                 entry.autocast_on_entry = {
                     d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types
@@ -362,17 +226,17 @@ class RecomputeReplay:
         def __exit__(hook: Any, exc_type: Any, exc_value: Any, traceback: Any) -> Any:
             stack = frames.stack if frames_anywhere else None
             if stack:
-                entry = stack.pop() if stack[-1].hook is hook else _remove_entry(stack, hook)
+                entry = stack.pop() if stack[-1].hook is hook else remove_entry(stack, hook)
                 if entry is not None:
                     with lock:
                         frames_anywhere.pop()
                         if not frames_anywhere:
                             for cell, original_method, _ in cells:
                                 cell.cell_contents = original_method
-                if type(entry) is _RecomputeFrame:
+                if type(entry) is RecomputeFrame:
                     frames.recompute = entry.outer
                     if entry.open:
-                        _unwind(entry)
+                        unwind(entry)
                     if entry.device_rng_on_entry is not None:
                         # As fork_rng ends checkpoint's recomputation for the devices it knows.
                         for device, rng_state in entry.device_rng_on_entry.items():
@@ -388,6 +252,7 @@ class RecomputeReplay:
         frames, frames_anywhere = self.frames, self.switch.frames_anywhere
         fix = self
         pre_backward = self.internals.TrainingState.PRE_BACKWARD
+        input_moving: dict[torch.device, bool] = {}  # device -> _compat.moves_inputs_to(device), asked once each
 
         @wraps(original)
         def _pre_forward(state: Any, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -400,18 +265,23 @@ class RecomputeReplay:
             # Advance the cursor even when nothing is replayed, to stay paired with the forward.
             context = recompute.next_context(module) if recompute is not None else None
             if context is not None and state._training_state is pre_backward:
-                if recompute.replays_every_forward or context is not _PLAIN_FORWARD:
+                if recompute.replays_every_forward or context is not PLAIN_FORWARD:
                     args, kwargs = fix.replay_pre_forward(recompute, state, module, context, args, kwargs)
                 args, kwargs = original(state, module, args, kwargs)
             else:
                 if context is not None:  # ran in the recomputed region's forward; its own backward has not begun
                     fix.replay_root_claim(recompute, state, module, context, (args, kwargs))
-                context = capture_autocast(state._device.type) if _compat.any_autocast_enabled() else _PLAIN_FORWARD
+                context = capture_autocast(state._device.type) if _compat.any_autocast_enabled() else PLAIN_FORWARD
                 claims_root = state._state_ctx.iter_forward_root is None
                 inputs = (args, kwargs) if claims_root else None
                 args, kwargs = original(state, module, args, kwargs)
-                if claims_root and state._state_ctx.iter_forward_root is state and _compat.moves_inputs_to(state._device):
-                    context = fix.record_input_move(stack, recompute, context, state._device, inputs)
+                if claims_root and state._state_ctx.iter_forward_root is state:
+                    # Every forward of a block called directly is a root's: one dict read, not a call.
+                    moves = input_moving.get(state._device)
+                    if moves is None:
+                        moves = input_moving[state._device] = _compat.moves_inputs_to(state._device)
+                    if moves:
+                        context = fix.record_input_move(stack, recompute, context, state._device, inputs)
             if stack[-1] is not recompute:
                 # Forward frames above the innermost recompute: this region, and checkpoints nested in it.
                 for entry in reversed(stack):
@@ -423,7 +293,7 @@ class RecomputeReplay:
                         records.contexts[module] = [context]
                     else:
                         contexts.append(context)
-                    if context is not _PLAIN_FORWARD:
+                    if context is not PLAIN_FORWARD:
                         records.any_replay = True
                         if context.autocast:
                             records.any_autocast = True
@@ -452,7 +322,7 @@ class RecomputeReplay:
         return _post_forward
 
     def record_input_move(
-        self, stack: list, recompute: _RecomputeFrame | None, context: ForwardContext, device: torch.device,
+        self, stack: list, recompute: RecomputeFrame | None, context: ForwardContext, device: torch.device,
         inputs: tuple,
     ) -> ForwardContext:
         """The context of a forward that moved the iteration's ``inputs`` onto ``device`` inside checkpointed regions.
@@ -477,7 +347,7 @@ class RecomputeReplay:
                 records.input_move_devices += (device,)
         return context._replace(moved_to=device, device_rng_state=_compat.device_rng_state(device))
 
-    def replay_device_rng(self, recompute: _RecomputeFrame, module: Any, context: ForwardContext) -> None:
+    def replay_device_rng(self, recompute: RecomputeFrame, module: Any, context: ForwardContext) -> None:
         """Give ``context.moved_to`` the RNG state it had when the forward moved the inputs there.
 
         Note: three cases. The state already equals the forward's: checkpoint
@@ -511,7 +381,7 @@ class RecomputeReplay:
         )
 
     def replay_root_claim(
-        self, recompute: _RecomputeFrame, state: Any, module: Any, context: ForwardContext, inputs: tuple
+        self, recompute: RecomputeFrame, state: Any, module: Any, context: ForwardContext, inputs: tuple
     ) -> None:
         """Make the root claim of a module that FSDP runs as a forward in a recomputation what it was in the forward.
 
@@ -535,7 +405,7 @@ class RecomputeReplay:
             self.replay_device_rng(recompute, module, context)
 
     def replay_pre_forward(
-        self, recompute: _RecomputeFrame, state: Any, module: Any, context: ForwardContext, args: tuple, kwargs: dict
+        self, recompute: RecomputeFrame, state: Any, module: Any, context: ForwardContext, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict]:
         policy = state._mp_policy
         if context.moved_to is not None and not self.upstream_moves_inputs:
@@ -548,11 +418,11 @@ class RecomputeReplay:
         entered = ()
         if recompute.autocast_on_entry is not None:
             entered = tuple(self.enter_forward_autocast(
-                context.autocast or _autocast_off(state._device.type), context.autocast_cache
+                context.autocast or autocast_off(state._device.type), context.autocast_cache
             ))
         output_dtype = None if self.upstream_casts_outputs else policy.output_dtype
         if entered or output_dtype is not None:
-            recompute.open.append(_Replay(module, output_dtype, entered))
+            recompute.open.append(Replay(module, output_dtype, entered))
         return args, kwargs
 
     def enter_forward_autocast(self, forward_autocast: tuple, cache_enabled: bool | None):
@@ -586,73 +456,3 @@ def _warn_if_dynamo_traces(wrapper: Callable) -> None:
             RuntimeWarning,
             stacklevel=4,
         )
-
-
-def capture_autocast(device_type: str) -> ForwardContext:
-    """The autocast state a forward runs under, for its device type and CPU."""
-    autocast = ((device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),)
-    if device_type != "cpu":
-        autocast += (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),)
-    return ForwardContext(moved_to=None, autocast=autocast, autocast_cache=torch.is_autocast_cache_enabled())
-
-
-def _attach_records(original: Callable) -> Callable:
-    @wraps(original)
-    def __init__(hook: Any, frame: Any, *args: Any, **kwargs: Any) -> None:
-        original(hook, frame, *args, **kwargs)
-        # Torch gives each frame one checkpoint hook: this is where the frame's records start.
-        # setattr, not __dict__: a hook's attributes stay in CPython's inline values (_compat.param_groups_of).
-        records = FrameRecords()
-        setattr(hook, _RECORDS_ATTR, records)
-        setattr(frame, _RECORDS_ATTR, records)
-        records.contexts, records.hook, records.recompute_fn = {}, hook, frame.recompute_fn
-
-    return __init__
-
-
-def _find_records(original: Callable) -> Callable:
-    @wraps(original)
-    def __init__(hook: Any, target_frame_ref: Any, *args: Any, **kwargs: Any) -> None:
-        original(hook, target_frame_ref, *args, **kwargs)
-        setattr(hook, _RECORDS_ATTR, getattr(target_frame_ref(), _RECORDS_ATTR, None))
-
-    return __init__
-
-
-def _remove_entry(stack: list, hook: Any) -> FrameRecords | _RecomputeFrame | None:
-    """Remove and return ``hook``'s entry below the top of the stack (a region whose forward ended late)."""
-    for i in range(len(stack) - 2, -1, -1):
-        if stack[i].hook is hook:
-            return stack.pop(i)
-    return None
-
-
-def _autocast_off(device_type: str) -> tuple[tuple[str, bool, None], ...]:
-    """The forward's autocast when it was off everywhere: disabled, dtype left as it is."""
-    return ((device_type, False, None),) if device_type == "cpu" else ((device_type, False, None), ("cpu", False, None))
-
-
-def _autocast_device_types() -> tuple[str, ...]:
-    """CPU and this machine's accelerator: the autocast states a recomputation may need restored."""
-    accelerator = _compat.accelerator_device_type()
-    return ("cpu", accelerator) if accelerator is not None else ("cpu",)
-
-
-def _unwind(entry: _RecomputeFrame) -> None:
-    """Undo replays whose post-forward never ran (early stop or an exception).
-
-    Exiting the autocast objects keeps autocast's nesting count (and its cast
-    cache) balanced; the snapshot then restores the enabled/dtype state the
-    recomputation started with, which torch's own autocast contexts inside the
-    recomputation already restored before we got here.
-    """
-    touched = set()
-    while entry.open:
-        replay = entry.open.pop()
-        for autocast in reversed(replay.autocast_contexts):
-            autocast.__exit__(None, None, None)
-            touched.add(autocast.device)
-    for device_type in touched:
-        enabled, dtype = entry.autocast_on_entry.get(device_type, (False, torch.get_autocast_dtype(device_type)))
-        torch.set_autocast_enabled(device_type, enabled)
-        torch.set_autocast_dtype(device_type, dtype)

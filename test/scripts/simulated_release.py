@@ -1,0 +1,176 @@
+"""Train under a simulated future torch release: torch's checkpoint or FSDP2 internals are changed
+*before* torch_fsdp_ext is imported, as a release that renamed or re-signatured them would be.
+
+    python test/scripts/simulated_release.py CASE [--plugin] [--bf16]
+
+CASE is one of ``SIMULATIONS`` (``none``: torch as installed). One process, world size 1 (gloo).
+Trains a model whose blocks run under non-reentrant ``checkpoint``, once without FSDP and once
+with every block and the root ``fully_shard``-ed, and prints one JSON line: the losses and
+gradient sums bit for bit (``float.hex``), the warnings torch_fsdp_ext issued, and its status.
+"""
+
+import argparse
+import json
+import os
+import socket
+import sys
+import types
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils.checkpoint as checkpoint_module
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+
+def _rename_in_code(code: types.CodeType, old: str, new: str) -> types.CodeType:
+    """``code`` with attribute/global name ``old`` read as ``new``, nested functions included."""
+    consts = tuple(_rename_in_code(c, old, new) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    names = tuple(new if name == old else name for name in code.co_names)
+    return code.replace(co_names=names, co_consts=consts)
+
+
+def _functions_of(namespace: dict):
+    for value in list(namespace.values()):
+        if isinstance(value, type) and value.__module__ == namespace.get("__name__"):
+            yield from _functions_of({**vars(value), "__name__": namespace.get("__name__")})
+        function = value
+        while function is not None:
+            if isinstance(function, property):
+                function = function.fget
+            if isinstance(function, (staticmethod, classmethod)):
+                function = function.__func__
+            if isinstance(function, types.FunctionType):
+                yield function
+            function = getattr(function, "__wrapped__", None)
+
+
+def rename_attribute(modules: list, old: str, new: str) -> None:
+    """Every function of ``modules`` (and of their classes) reads and writes ``.old`` as ``.new``."""
+    for module in modules:
+        for function in _functions_of(vars(module)):
+            if old in function.__code__.co_names or any(
+                isinstance(c, types.CodeType) for c in function.__code__.co_consts
+            ):
+                function.__code__ = _rename_in_code(function.__code__, old, new)
+
+
+def recompute_fn_renamed() -> None:
+    rename_attribute([checkpoint_module], "recompute_fn", "recompute_function")
+
+
+def recomputation_hook_takes_frame() -> None:
+    """``_recomputation_hook(frame, gid)``: the checkpoint hook passes the frame, not a weak reference."""
+    hook_init = checkpoint_module._checkpoint_hook.__init__
+    checkpoint_module._simulated_weakref = types.SimpleNamespace(**{**vars(__import__("weakref")), "ref": lambda obj: obj})
+    consts = tuple(
+        _rename_in_code(c, "weakref", "_simulated_weakref") if getattr(c, "co_name", None) == "unpack_hook" else c
+        for c in hook_init.__code__.co_consts
+    )
+    hook_init.__code__ = hook_init.__code__.replace(co_consts=consts)
+    original = checkpoint_module._recomputation_hook.__init__
+
+    def __init__(self, target_frame, gid):
+        original(self, lambda: target_frame, gid)
+
+    checkpoint_module._recomputation_hook.__init__ = __init__
+
+
+def iter_forward_root_renamed() -> None:
+    package = sys.modules["torch.distributed.fsdp._fully_shard"]
+    modules = [m for name, m in sys.modules.items() if name.startswith(package.__name__ + ".")]
+    rename_attribute(modules, "iter_forward_root", "iteration_forward_root")
+
+
+def no_decorator_cell() -> None:
+    """FSDP's forward hooks as plain methods: nothing calls them through a closure cell."""
+    for name in ("_pre_forward", "_post_forward"):
+        method = _fsdp_state.FSDPState.__dict__[name]
+        setattr(_fsdp_state.FSDPState, name, getattr(method, "__wrapped__", method))
+
+
+SIMULATIONS = {
+    "none": lambda: None,
+    "recompute_fn_renamed": recompute_fn_renamed,
+    "recomputation_hook_takes_frame": recomputation_hook_takes_frame,
+    "iter_forward_root_renamed": iter_forward_root_renamed,
+    "no_decorator_cell": no_decorator_cell,
+}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2, self.dropout = nn.Linear(8, 8), nn.Linear(8, 8), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin2(self.dropout(torch.nn.functional.gelu(self.lin1(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint_module.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def train(shard: bool, bf16: bool = False) -> dict:
+    torch.manual_seed(0)
+    model = Net()
+    if shard:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for step in range(2):
+        loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
+        loss.backward()
+        grads.append(sum(float(p.grad.full_tensor().sum() if shard else p.grad.sum()) for p in model.parameters()))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return {"losses": [v.hex() for v in losses], "grads": [v.hex() for v in grads]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case", choices=SIMULATIONS)
+    parser.add_argument("--plugin", action="store_true", help="import torch_fsdp_ext after the simulation")
+    parser.add_argument("--bf16", action="store_true", help="FSDP computes in bf16 (the recompute fix's case)")
+    args = parser.parse_args()
+    SIMULATIONS[args.case]()
+    result: dict = {"case": args.case}
+    if args.plugin:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import torch_fsdp_ext
+
+        result["warnings"] = [str(w.message) for w in caught if "torch_fsdp_ext" in str(w.message)]
+        status = torch_fsdp_ext.status()
+        result["active"] = {name: fix.active for name, fix in status.fixes.items()}
+        result["recompute_needed"] = status.fixes["recompute"].needed
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        result["plain"] = train(shard=False)
+        result["fsdp"] = train(shard=True, bf16=args.bf16)
+    except Exception as e:  # noqa: BLE001 - the outcome is the result
+        result["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Records of a checkpointed region's forward: what its FSDP pre-forwards ran under, kept on the
+region's ``_CheckpointFrame`` for the recompute replay (``_recompute.RecomputeReplay``).
+
+Note: how the replay is paired with the forward. While a checkpointed region runs
+forward, each FSDP pre-forward stashes a small ``ForwardContext`` (no tensors) on
+that region's ``_CheckpointFrame``, keyed by module (one FSDP state per module), in call order.
+Recomputing a frame runs the same modules in the same order, so a per-recompute
+cursor walks the same lists. Records live on the frame and die with it. A frame
+can be recomputed more than once (one per backward graph task), hence a cursor
+and not a queue that is consumed.
+
+Note: what a record holds. Only what the FSDP state does not tell: whether this
+call was the iteration root that moved the inputs (and then the RNG state of the
+device it moved them to, a few bytes on the host), and the autocast state. The
+input and output casts follow from the state's ``MixedPrecisionPolicy``, fixed
+at ``fully_shard`` time, so the replay reads them there, as upstream's own fix
+of the input cast does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from ._patching import wraps
+
+
+class ForwardContext(NamedTuple):
+    """The part of one module forward's context inside a checkpointed region that its FSDP state does not tell."""
+
+    moved_to: torch.device | None  # the iteration root moved inputs here
+    # (device_type, enabled, dtype) for the module's device type and CPU; empty: autocast was off everywhere.
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    autocast_cache: bool | None
+    # ``moved_to``'s RNG state when the inputs were moved (a few bytes on the host); None without a move.
+    device_rng_state: torch.Tensor | None = None
+
+
+PLAIN_FORWARD = ForwardContext(moved_to=None, autocast=(), autocast_cache=None)  # by far the most common
+
+
+class FrameRecords:
+    """The forward contexts of one checkpointed region, kept on its ``_CheckpointFrame``.
+
+    While the region runs forward, its records are the region's entry on the thread's
+    frame stack. Built by ``attach_records`` without an ``__init__`` of its own: a
+    Python-level call per region is a measurable part of what checkpointing costs here.
+    """
+
+    any_autocast = False  # some module forward in the region ran under autocast
+    any_replay = False  # some module forward's context is not PLAIN_FORWARD
+    input_move_devices: tuple[torch.device, ...] = ()  # where root input moves in the region went
+    contexts: dict[Any, list[ForwardContext]]  # per module, in call order
+    hook: Any  # the region's _checkpoint_hook
+    recompute_fn: Callable  # the frame's, which knows the checkpoint's preserve_rng_state
+
+
+RECORDS_ATTR = "_torch_fsdp_ext_records"
+
+
+def capture_autocast(device_type: str) -> ForwardContext:
+    """The autocast state a forward runs under, for its device type and CPU."""
+    autocast = ((device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),)
+    if device_type != "cpu":
+        autocast += (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),)
+    return ForwardContext(moved_to=None, autocast=autocast, autocast_cache=torch.is_autocast_cache_enabled())
+
+
+def attach_records(original: Callable) -> Callable:
+    @wraps(original)
+    def __init__(hook: Any, frame: Any, *args: Any, **kwargs: Any) -> None:
+        original(hook, frame, *args, **kwargs)
+        # Torch gives each frame one checkpoint hook: this is where the frame's records start.
+        # setattr, not __dict__: a hook's attributes stay in CPython's inline values (_compat.param_groups_of).
+        # Note: never raises. A frame unlike the probed one gets no records: its region runs as torch alone runs it.
+        try:
+            records = FrameRecords()
+            records.contexts, records.hook, records.recompute_fn = {}, hook, frame.recompute_fn
+            setattr(frame, RECORDS_ATTR, records)
+            setattr(hook, RECORDS_ATTR, records)
+        except Exception:  # noqa: BLE001
+            pass
+
+    return __init__
+
+
+def find_records(original: Callable) -> Callable:
+    @wraps(original)
+    def __init__(hook: Any, target_frame_ref: Any, *args: Any, **kwargs: Any) -> None:
+        original(hook, target_frame_ref, *args, **kwargs)
+        try:  # never raises, as attach_records
+            setattr(hook, RECORDS_ATTR, getattr(target_frame_ref(), RECORDS_ATTR, None))
+        except Exception:  # noqa: BLE001
+            pass
+
+    return __init__

@@ -1,0 +1,79 @@
+"""The frame stack and hook switch of the recompute replay: which checkpoint frames are active on
+each thread, and FSDP's forward hooks switched to the replay's wrappers only while some are."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from ._recompute_records import FrameRecords
+    from ._recompute_replay import RecomputeFrame
+
+
+class ActiveFrames(threading.local):
+    """Checkpoint frames active on this thread, innermost last (saved-tensor hooks are per thread).
+
+    Note: ``recompute`` is the innermost entry of ``stack`` that is a
+    recomputation, so that the hooks, which run for every FSDP module forward,
+    find it without a search. Recomputations are ``with`` blocks inside
+    checkpoint's unpack hook, so they end in the reverse order of their start;
+    a region's forward can end out of order (its generator is closed late when
+    the forward raised), hence a list for ``stack``.
+    """
+
+    def __init__(self) -> None:
+        self.stack: list[FrameRecords | RecomputeFrame] = []
+        self.recompute: RecomputeFrame | None = None
+
+
+class HookSwitch:
+    """Counts the frames on the stacks of all threads; where it can, puts the wrappers of
+    FSDP's pre/post-forward in place only while there is one.
+
+    Note: why switch. FSDP's hooks run for every module forward, most of them
+    in no checkpointed region, where the replay has nothing to do. Torch
+    decorates ``FSDPState._pre_forward``/``_post_forward`` for dynamo with a
+    wrapper that calls the undecorated method through a closure cell; that
+    decorated function is what every module's hooks are bound to, including
+    grouped ``fully_shard([a, b])`` closures and modules sharded before
+    ``install()``. Setting the cell to our wrapper while some thread has a frame,
+    and back to torch's method when the last one ends, makes every other forward
+    run exactly torch's code, and needs no hook re-bound. Where torch's method has
+    no such cell, the wrappers replace the class attributes for as long as the fix
+    is installed, and test ``frames_anywhere`` first (one list read).
+    """
+
+    def __init__(self) -> None:
+        # Note: re-entrant. A region whose forward raised ends when the garbage collector
+        # closes its generator, which can happen at any allocation, also inside push or pop
+        # on the same thread (a plain Lock deadlocked there: the ranks of a test hung).
+        self.lock = threading.RLock()
+        # One entry per frame on any thread's stack: append/pop are atomic under the GIL.
+        self.frames_anywhere: list[None] = []
+        self.cells: list[list] = []  # [cell, torch's method, our wrapper]
+
+    def add_cell(self, cell: Any, wrapper: Callable) -> None:
+        self.cells.append([cell, cell.cell_contents, wrapper])
+
+    # Note: a push and a pop run once per checkpointed region, and a Python call costs about
+    # as much as their work: the region's forward-enter and exit wrappers inline them; only a
+    # recomputation that replays calls this method.
+    def push(self) -> None:
+        with self.lock:
+            self.frames_anywhere.append(None)
+            if len(self.frames_anywhere) == 1:
+                for cell, _, wrapper in self.cells:
+                    cell.cell_contents = wrapper
+
+    def restore(self) -> None:
+        for cell, original, _ in self.cells:
+            cell.cell_contents = original
+
+
+def remove_entry(stack: list, hook: Any) -> FrameRecords | RecomputeFrame | None:
+    """Remove and return ``hook``'s entry below the top of the stack (a region whose forward ended late)."""
+    for i in range(len(stack) - 2, -1, -1):
+        if stack[i].hook is hook:
+            return stack.pop(i)
+    return None
