@@ -615,8 +615,9 @@ def spawn_ranks(fn, world: int, *args) -> Any:
 
     Note: on torch 2.12.1's CUDA build a spawned gloo rank was seen to abort now and then
     ("terminate called without an active exception"; docs/reliability.md, "Known issue").
-    A run whose rank died by a signal is reported and run once more, so that the measurement
-    does not hinge on it; any other failure is raised.
+    A rank that dies by a signal after rank 0 saved the result (at teardown) is reported and the
+    result used; one that dies before it is reported and the run made once more, so that the
+    measurement does not hinge on it; any other failure is raised.
     """
     import torch.multiprocessing as mp
 
@@ -627,7 +628,12 @@ def spawn_ranks(fn, world: int, *args) -> Any:
                 mp.start_processes(fn, args=(world, os.path.join(tmp, "init"), *args, result_file), nprocs=world,
                                    start_method="spawn")
             except mp.ProcessExitedException as e:
-                if attempt == 2 or e.signal_name is None:
+                if e.signal_name is None:
+                    raise
+                if os.path.exists(result_file):  # rank 0 saved the result before the ranks tore gloo down
+                    print(f"note: a rank died by {e.signal_name} at teardown ({e}), after the result", flush=True)
+                    return torch.load(result_file)
+                if attempt == 2:
                     raise
                 print(f"note: a rank died by {e.signal_name} ({e}); running once more", flush=True)
                 continue
