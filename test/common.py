@@ -248,6 +248,19 @@ def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
 
 
+def train_lm(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, steps: int) -> list[torch.Tensor]:
+    """``steps`` optimizer steps of the LM loss on this rank's batches; the losses."""
+    losses = []
+    for step in range(steps):
+        tokens = batch(rank, step)
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded parameter values (DTensor -> full tensor)."""
     out = {}

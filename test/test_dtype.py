@@ -16,6 +16,7 @@ from torch_fsdp_ext._dtype_plan import cast_exclusion_reason
 from torch_fsdp_ext._dtype_strategies import UPCAST_COST
 
 from common import (
+    train_lm,
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     fully_shard,
@@ -39,16 +40,7 @@ from common import (
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, steps: int) -> list[torch.Tensor]:
-    losses = []
-    for step in range(steps):
-        tokens = batch(rank, step)
-        loss = lm_loss(model(tokens), tokens)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach())
-    return losses
+train = train_lm
 
 
 class LoRALinear(nn.Module):

@@ -40,6 +40,7 @@ from common import (
     plugin,
     plugin_specific,
     seed_000_model,
+    train_lm,
 )
 
 try:
@@ -68,16 +69,7 @@ def shard_with_embedding_unit(model: nn.Module, mp_policy) -> nn.Module:
 
 
 def train(model: nn.Module, rank: int, steps: int = STEPS) -> list[torch.Tensor]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        tokens = batch(rank, step)
-        loss = lm_loss(model(tokens), tokens)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach())
-    return losses
+    return train_lm(model, torch.optim.AdamW(model.parameters(), lr=1e-2), rank, steps)
 
 
 def upcast_trainable(model: nn.Module) -> nn.Module:
