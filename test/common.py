@@ -6,8 +6,10 @@ import contextlib
 import copy
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import unittest
 import unittest.mock
 from datetime import timedelta
@@ -393,3 +395,30 @@ def mixed_llama(seed: int = 0, **kwargs) -> MixedLlama:
         if isinstance(module, Fp32RMSNorm) or name.endswith("router"):
             module.float()
     return model
+
+
+@contextlib.contextmanager
+def shared_temp_dir(name: str) -> Iterator[str]:
+    """One new directory for every rank (ranks share this machine), removed by rank 0 afterwards."""
+    path = [tempfile.mkdtemp(prefix=name) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    try:
+        yield path[0]
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
+
+
+def pretrained_llama(path: str):
+    """``from_pretrained(dtype=bf16)`` of a tiny Llama whose class keeps its norms in fp32.
+
+    Note: ``_keep_in_fp32_modules_strict``, the form transformers 5 applies to bf16 loads too
+    (``_keep_in_fp32_modules`` alone applies to fp16 loads).
+    """
+    from transformers import LlamaForCausalLM
+
+    class KeepNormsLlama(LlamaForCausalLM):
+        _keep_in_fp32_modules_strict = ["input_layernorm", "post_attention_layernorm", "norm"]
+
+    return KeepNormsLlama.from_pretrained(path, dtype=torch.bfloat16)

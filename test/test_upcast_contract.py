@@ -9,14 +9,10 @@ for bit with its no-plugin reference.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
-import shutil
-import tempfile
 import types
 import unittest
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,7 +35,9 @@ from common import (
     mixed_llama,
     plugin,
     plugin_specific,
+    pretrained_llama,
     seed_000_model,
+    shared_temp_dir,
     train_lm,
 )
 
@@ -88,19 +86,6 @@ def accelerate_efficient_load(model: nn.Module, rank: int, mp_policy) -> nn.Modu
     # Note: the two attributes accelerate's loader reads off its Accelerator, set here for CPU ranks.
     accelerator = types.SimpleNamespace(is_main_process=rank == 0, device=torch.device("cpu"))
     return fsdp2_load_full_state_dict(accelerator, model, full_sd)
-
-
-@contextlib.contextmanager
-def shared_temp_dir(name: str) -> Iterator[str]:
-    """One new directory for every rank (ranks share this machine), removed by rank 0 afterwards."""
-    path = [tempfile.mkdtemp(prefix=name) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    try:
-        yield path[0]
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(path[0], ignore_errors=True)
 
 
 def perturbed_fp32_masters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -265,20 +250,6 @@ class TestWholeModel(FSDPExtTestCase):
         self.assertEqual(model.embed.weight.dtype, torch.float32)
         self.assertEqual(losses, reference_losses, atol=0, rtol=0)
         self.assertEqual(full_params(model), reference_params, atol=0, rtol=0)
-
-
-def pretrained_llama(path: str):
-    """``from_pretrained(dtype=bf16)`` of a tiny Llama whose class keeps its norms in fp32.
-
-    Note: ``_keep_in_fp32_modules_strict``, the form transformers 5 applies to bf16 loads too
-    (``_keep_in_fp32_modules`` alone applies to fp16 loads).
-    """
-    from transformers import LlamaForCausalLM
-
-    class KeepNormsLlama(LlamaForCausalLM):
-        _keep_in_fp32_modules_strict = ["input_layernorm", "post_attention_layernorm", "norm"]
-
-    return KeepNormsLlama.from_pretrained(path, dtype=torch.bfloat16)
 
 
 class TestTransformers(FSDPExtTestCase):

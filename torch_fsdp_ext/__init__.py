@@ -12,6 +12,7 @@ from . import _compute_dtype, _env, _install
 from ._compute_dtype import LoadedDtypeModules, MixedPrecisionPolicy, compute_in_loaded_dtype
 from ._dtype_plan import MixedParamDtypeError
 from ._dtype_strategies import STRATEGIES
+from ._loaded_dtypes import iter_state_dict_as_loaded, loaded_dtypes, save_loaded_dtypes, state_dict_as_loaded
 from ._install import FIX_NAMES, FixStatus, Status, install, installed, status, uninstall
 from ._rank_consistency import RankCheckTimeoutError
 
@@ -27,6 +28,10 @@ __all__ = [
     "compute_in_loaded_dtype",
     "install",
     "installed",
+    "iter_state_dict_as_loaded",
+    "loaded_dtypes",
+    "save_loaded_dtypes",
+    "state_dict_as_loaded",
     "status",
     "uninstall",
 ]

@@ -25,6 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     doctor_parser.add_argument("--world-size", type=int, default=2, help="ranks for the self-test (default 2)")
     commands.add_parser("status", help="what this torch needs and what is active (no self-test)")
+    export_parser = commands.add_parser(
+        "export", help="a DCP training checkpoint's model as safetensors in the dtypes it was loaded in"
+    )
+    export_parser.add_argument("checkpoint_dir", help="DCP checkpoint with torch_fsdp_ext.save_loaded_dtypes' file")
+    export_parser.add_argument("out_dir", help="where model.safetensors is written")
     args = parser.parse_args(argv)
     if args.command == "status":
         import torch_fsdp_ext
@@ -35,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         from ._doctor import doctor
 
         return doctor(world_size=args.world_size)
+    if args.command == "export":
+        from ._loaded_dtypes import export
+
+        print(export(args.checkpoint_dir, args.out_dir))
+        return 0
     parser.print_help()
     return 2
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _compat, _compute_dtype, _optimizer_state
+from . import _compat, _compute_dtype, _loaded_dtypes, _optimizer_state
 from ._dtype_plan import (
     GroupDtypePlan,
     MixedParamDtypeError,
@@ -134,6 +134,7 @@ def upcast_param(group: Any, fsdp_param: Any, dtype: Any) -> None:
     """
     _compat.sync_sharded_param(fsdp_param)
     loaded = fsdp_param.sharded_param.dtype
+    _loaded_dtypes.remember_loaded_dtype(fsdp_param, loaded)
     _compat.change_sharded_param_dtype(fsdp_param, dtype)
     if _compute_dtype.compute_dtype_of(fsdp_param) is None and _compat.param_mp_policy(group, fsdp_param).param_dtype is None:
         _compute_dtype.compute_in(group, fsdp_param, loaded)

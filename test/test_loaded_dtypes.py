@@ -1,0 +1,235 @@
+"""Ship as loaded: after training in fp32 masters, every export API gives the loaded dtypes.
+
+The reference for every value is torch's own full state dict of the trained model
+(``get_model_state_dict(full_state_dict=True)``: the fp32 masters) rounded by
+``Tensor.to`` to the dtype the model was loaded in; results must equal it bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import unittest
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.testing._internal.common_utils import run_tests
+
+import torch_fsdp_ext
+
+from common import (
+    ROOT,
+    FSDPExtTestCase,
+    MixedPrecisionPolicy,
+    fully_shard,
+    mixed_llama,
+    needs_dtype_fix,
+    plugin,
+    plugin_specific,
+    pretrained_llama,
+    seed_000_model,
+    shard_model,
+    shared_temp_dir,
+    train_lm,
+)
+
+BF16_MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+needs_transformers = unittest.skipIf(importlib.util.find_spec("transformers") is None, "transformers is not installed")
+needs_peft = unittest.skipIf(importlib.util.find_spec("peft") is None, "peft is not installed")
+
+
+def full_masters(model: nn.Module, **options) -> dict[str, torch.Tensor]:
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, **options))
+
+
+def rounded(masters: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    return {fqn: tensor.to(dtypes[fqn]) for fqn, tensor in masters.items()}
+
+
+def stream_digest(pairs) -> str:
+    digest = hashlib.sha256()
+    for fqn, tensor in pairs:
+        digest.update(f"{fqn}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class TestAsLoaded(FSDPExtTestCase):
+    def assert_bitwise_equal(self, actual: dict, expected: dict) -> None:
+        self.assertEqual(list(actual), list(expected))
+        for fqn, tensor in expected.items():
+            self.assertEqual(actual[fqn].dtype, tensor.dtype, fqn)
+            self.assertTrue(torch.equal(actual[fqn].cpu(), tensor.cpu()), fqn)
+
+    def trained_upcast_model(self, **install_kwargs) -> tuple[nn.Module, dict[str, torch.dtype]]:
+        model = seed_000_model()
+        loaded = {fqn: t.dtype for fqn, t in model.state_dict().items()}
+        shard_model(model, mp_policy=BF16_MP)
+        train_lm(model, torch.optim.AdamW(model.parameters(), lr=1e-2), self.rank, steps=2)
+        return model, loaded
+
+    @needs_dtype_fix
+    @plugin_specific
+    def test_every_api_gives_the_masters_rounded_to_the_loaded_dtypes(self):
+        with plugin(True):
+            model, loaded = self.trained_upcast_model()
+            # What users get from torch today: fp32 everywhere, twice the loaded bytes of every bf16 tensor.
+            masters = full_masters(model)
+            self.assertEqual(masters["layers.0.wq.weight"].dtype, torch.float32)
+            self.assertEqual(loaded["layers.0.wq.weight"], torch.bfloat16)
+
+            self.assertEqual(torch_fsdp_ext.loaded_dtypes(model), loaded)
+            expected = rounded(masters, loaded)
+            self.assertIn(torch.float32, {t.dtype for t in expected.values()})  # the norms stay fp32
+
+            on_rank0 = torch_fsdp_ext.state_dict_as_loaded(model)
+            if self.rank == 0:
+                self.assert_bitwise_equal(on_rank0, expected)
+                self.assertTrue(all(t.device.type == "cpu" for t in on_rank0.values()))
+            else:
+                self.assertEqual(on_rank0, {})
+            self.assert_bitwise_equal(torch_fsdp_ext.state_dict_as_loaded(model, cpu_offload=False), expected)
+
+            streamed = list(torch_fsdp_ext.iter_state_dict_as_loaded(model))
+            self.assert_bitwise_equal(dict(streamed), expected)
+            digests = [None] * self.world_size
+            dist.all_gather_object(digests, stream_digest(streamed))
+            self.assertEqual(len(set(digests)), 1)  # every rank gets the same stream
+
+            # Exporting changes nothing: the model trains on from the same masters.
+            self.assert_bitwise_equal(full_masters(model), masters)
+
+    @plugin_specific
+    def test_preserve_equals_the_plain_full_state_dict(self):
+        with plugin(True, dtype_strategy="preserve"):
+            model = shard_model(mixed_llama())
+            train_lm(model, torch.optim.AdamW(model.parameters(), lr=1e-2), self.rank, steps=2)
+            self.assert_bitwise_equal(torch_fsdp_ext.state_dict_as_loaded(model, cpu_offload=False), full_masters(model))
+
+    @needs_dtype_fix
+    @plugin_specific
+    def test_compute_dtype_model_and_tied_weights_come_back_as_loaded(self):
+        with plugin(True):
+            model = seed_000_model()
+            model.head.weight = model.embed.weight  # tied: one parameter, two state-dict entries
+            loaded = {fqn: t.dtype for fqn, t in model.state_dict().items()}
+            policy = torch_fsdp_ext.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                param_dtype_override_fn=torch_fsdp_ext.compute_in_loaded_dtype(model, ["RMSNorm"]),
+            )
+            fully_shard(model, mp_policy=policy)  # tied weights share one group
+            train_lm(model, torch.optim.AdamW(model.parameters(), lr=1e-2), self.rank, steps=2)
+            self.assertEqual(torch_fsdp_ext.loaded_dtypes(model), loaded)
+            as_loaded = torch_fsdp_ext.state_dict_as_loaded(model, cpu_offload=False)
+            self.assert_bitwise_equal(as_loaded, rounded(full_masters(model), loaded))
+            self.assertTrue(torch.equal(as_loaded["head.weight"], as_loaded["embed.weight"]))
+
+    @needs_dtype_fix
+    @plugin_specific
+    def test_dcp_checkpoint_resumes_in_masters_and_exports_as_loaded(self):
+        with plugin(True), shared_temp_dir("loaded_dtypes_dcp") as path:
+            model, loaded = self.trained_upcast_model()
+            checkpoint, out = os.path.join(path, "step-2"), os.path.join(path, "release")
+            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=checkpoint)
+            torch_fsdp_ext.save_loaded_dtypes(model, checkpoint)
+            expected = torch_fsdp_ext.state_dict_as_loaded(model)
+
+            # The resume is unchanged for torch: fp32 masters, bit for bit.
+            fresh = shard_model(seed_000_model(seed=1), mp_policy=BF16_MP)
+            state = {"model": get_model_state_dict(fresh)}
+            dcp.load(state, checkpoint_id=checkpoint)
+            fresh.load_state_dict(state["model"])
+            self.assert_bitwise_equal(full_masters(fresh), full_masters(model))
+
+            dist.barrier()
+            if self.rank == 0:
+                subprocess.run(
+                    [sys.executable, "-m", "torch_fsdp_ext", "export", checkpoint, out],
+                    check=True, cwd=ROOT, capture_output=True, timeout=120,
+                    env={**os.environ, "TORCH_FSDP_EXT_DISABLE": "1"},
+                )
+                from safetensors.torch import load_file
+
+                self.assert_bitwise_equal(load_file(os.path.join(out, "model.safetensors")), expected)
+
+    @needs_dtype_fix
+    @needs_transformers
+    @plugin_specific
+    def test_save_pretrained_writes_the_loaded_dtypes_and_sizes(self):
+        from safetensors import safe_open
+
+        def safetensors_of(directory: str) -> tuple[int, dict[str, torch.dtype]]:
+            path = os.path.join(directory, "model.safetensors")
+            with safe_open(path, "pt") as f:
+                return os.path.getsize(path), {key: f.get_slice(key).get_dtype() for key in f.keys()}
+
+        with plugin(True), shared_temp_dir("loaded_dtypes_hf") as path:
+            init_dir, loaded_dir, release_dir = (os.path.join(path, name) for name in ("init", "loaded", "release"))
+            if self.rank == 0:
+                from transformers import LlamaConfig, LlamaForCausalLM
+
+                config = LlamaConfig(
+                    vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
+                )
+                torch.manual_seed(0)
+                LlamaForCausalLM(config).save_pretrained(init_dir)
+                pretrained_llama(init_dir).save_pretrained(loaded_dir)  # the bf16 + fp32-norm checkpoint
+            dist.barrier()
+            model = pretrained_llama(loaded_dir)
+            model.config._attn_implementation = "eager"
+            loaded = {fqn: t.dtype for fqn, t in model.state_dict().items()}
+            for layer in model.model.layers:
+                fully_shard(layer, mp_policy=BF16_MP)
+            fully_shard(model, mp_policy=BF16_MP)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step in range(2):
+                tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(step + 10 * self.rank))
+                model(input_ids=tokens, labels=tokens).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            expected = rounded(full_masters(model, cpu_offload=True), loaded)
+            state_dict = torch_fsdp_ext.state_dict_as_loaded(model)
+            if self.rank == 0:
+                model.save_pretrained(release_dir, state_dict=state_dict)
+                self.assertEqual(safetensors_of(release_dir), safetensors_of(loaded_dir))
+                reloaded = pretrained_llama(release_dir).state_dict()
+                for fqn, tensor in reloaded.items():
+                    self.assertTrue(torch.equal(tensor, expected[fqn]), fqn)
+            dist.barrier()
+
+    @needs_dtype_fix
+    @needs_peft
+    @plugin_specific
+    def test_peft_adapters_come_back_as_loaded(self):
+        from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+        with plugin(True):
+            torch.manual_seed(0)
+            base = seed_000_model()
+            # fp32 adapters (peft's default) next to a trainable bf16 copy of the head: one mixed group.
+            model = get_peft_model(base, LoraConfig(r=4, target_modules=["wq", "wo"], modules_to_save=["head"]))
+            loaded = {fqn: t.dtype for fqn, t in model.state_dict().items()}
+            for layer in model.base_model.model.layers:
+                fully_shard(layer, mp_policy=BF16_MP)
+            fully_shard(model, mp_policy=BF16_MP)
+            train_lm(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
+                     self.rank, steps=2)
+            expected = rounded(full_masters(model), loaded)
+            as_loaded = torch_fsdp_ext.state_dict_as_loaded(model, cpu_offload=False)
+            self.assert_bitwise_equal(as_loaded, expected)
+            adapters = get_peft_model_state_dict(model, state_dict=as_loaded)
+            self.assertTrue(adapters)
+            self.assertEqual({k: t.dtype for k, t in adapters.items()},
+                             {k: t.dtype for k, t in get_peft_model_state_dict(model, state_dict=expected).items()})
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -1,0 +1,230 @@
+"""Ship a model in the dtypes it was loaded in, however it trained.
+
+Under ``upcast`` a bf16 checkpoint trains as fp32 master weights (Note [Upcast
+moment] in ``_dtype_fix``), and every full state dict torch makes of it is fp32:
+twice the size of what was loaded. The plugin is the one component that knows each
+parameter's dtype from before the upcast: ``_dtype_strategies.upcast_param``, the
+one place a sharded parameter changes dtype, records it here.
+
+Note: each tensor is rounded to its loaded dtype on its local shard, before it is
+gathered. Rounding is elementwise, so the result equals the full master rounded
+(``Tensor.to``: round to nearest even) bit for bit, while the gather moves and
+allocates the loaded dtype's bytes only; a full tensor exists one at a time.
+
+A DCP training checkpoint keeps the fp32 masters (an exact resume); its loaded
+dtypes go into a small JSON file beside it (``save_loaded_dtypes``), which DCP's
+reader never opens, and ``python -m torch_fsdp_ext export`` turns the two into a
+safetensors file in the loaded dtypes, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from . import _compat
+
+# Note: kept on the FSDPParam, not in a weak mapping of parameters: a weak reference
+# to a tensor makes torch.utils.swap_tensors (the upcast itself, nn.Module._apply
+# with swapping on) refuse it.
+_ATTR = "_torch_fsdp_ext_loaded_dtype"
+
+SIDECAR = "torch_fsdp_ext_loaded_dtypes.json"
+_SIDECAR_FORMAT = "torch_fsdp_ext.loaded_dtypes/1"
+
+# Module names that torch's wrappers put into parameter names but not into the names
+# get_model_state_dict gives (torch.compile, checkpoint_wrapper, FSDP1).
+_WRAPPER_NAMES = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def remember_loaded_dtype(fsdp_param: Any, dtype: torch.dtype) -> None:
+    """Called right before the plugin changes a sharded parameter's dtype; the first call counts."""
+    fsdp_param.__dict__.setdefault(_ATTR, dtype)
+
+
+def _changed_dtypes(model: torch.nn.Module) -> dict[int, torch.dtype]:
+    """id of each sharded parameter whose dtype the plugin changed -> its loaded dtype."""
+    return {
+        id(fsdp_param.sharded_param): fsdp_param.__dict__[_ATTR]
+        for state in _compat.fsdp_states_under(model)
+        for group in _compat.param_groups_of(state)
+        for fsdp_param in group.fsdp_params
+        if _ATTR in fsdp_param.__dict__
+    }
+
+
+def _clean_fqn(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
+
+
+def _tensors(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
+    """The model's state-dict tensors by FQN, as the module holds them (sharded parameters), with loaded dtypes."""
+    # Note: state_dict() first runs FSDP's pre-hook that registers the sharded parameters
+    # (the root keeps its unsharded ones after forward), and the plugin's own upcast moment.
+    tensors = model.state_dict(keep_vars=True)
+    changed = _changed_dtypes(model)
+    return {
+        _clean_fqn(name): (value, changed.get(id(value), value.dtype))
+        for name, value in tensors.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def loaded_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    """Every parameter and buffer of ``model`` by FQN, in the dtype it had before the plugin changed it.
+
+    The FQNs are those of ``get_model_state_dict(model)``. Tensors the plugin never
+    changed report their current dtype.
+    """
+    return {fqn: dtype for fqn, (_, dtype) in _tensors(model).items()}
+
+
+def _full_in_dtype(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The full tensor of ``value`` in ``dtype``; a collective over its mesh when it is a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return value.detach().to(dtype)
+    mesh = value.device_mesh
+    local = value.to_local().detach().to(dtype)
+    if local.device.type != mesh.device_type:  # CPU offload: gather on the mesh's device
+        local = local.to(mesh.device_type)
+    shard = DTensor.from_local(local, mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+    return shard.full_tensor()
+
+
+@torch.no_grad()
+def iter_state_dict_as_loaded(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(fqn, full tensor)`` pairs in the loaded dtypes, the same on every rank, one full tensor at a time.
+
+    Every rank must iterate to the end (each sharded tensor is one all-gather). A
+    tensor is on the device its mesh uses; drop it before taking the next one to keep
+    the extra memory to one full tensor.
+    """
+    for fqn, (value, dtype) in _tensors(model).items():
+        yield fqn, _full_in_dtype(value, dtype)
+
+
+def state_dict_as_loaded(model: torch.nn.Module, *, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+    """The full state dict in the loaded dtypes.
+
+    As ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+    cpu_offload=cpu_offload))``: with ``cpu_offload`` rank 0 holds every tensor on
+    the CPU and the other ranks get an empty dict; without it every rank holds them.
+    Tied weights stay one tensor under each of their names, so ``save_pretrained``
+    recognizes them.
+    """
+    keep = not cpu_offload or not dist.is_initialized() or dist.get_rank() == 0
+    state_dict: dict[str, torch.Tensor] = {}
+    first_name: dict[int, str] = {}  # id of a model tensor -> its first FQN
+    with torch.no_grad():
+        for fqn, (value, dtype) in _tensors(model).items():
+            tied_to = first_name.setdefault(id(value), fqn)
+            if tied_to != fqn:
+                if keep:
+                    state_dict[fqn] = state_dict[tied_to]
+                continue
+            tensor = _full_in_dtype(value, dtype)
+            if keep:
+                state_dict[fqn] = tensor.cpu() if cpu_offload else tensor
+    return state_dict
+
+
+# -- DCP training checkpoints ------------------------------------------------------
+
+
+def save_loaded_dtypes(model: torch.nn.Module, checkpoint_dir: str | os.PathLike, *, key: str = "model") -> None:
+    """Write the loaded dtypes beside a DCP checkpoint of ``{key: get_model_state_dict(model), ...}``.
+
+    Call it on every rank (rank 0 writes); ``key`` is where the model's state dict
+    sits in what was passed to ``dcp.save`` (``""``: the model's state dict itself).
+    """
+    dtypes = loaded_dtypes(model)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    record = {
+        "format": _SIDECAR_FORMAT,
+        "key": key,
+        "dtypes": {fqn: str(dtype).removeprefix("torch.") for fqn, dtype in dtypes.items()},
+    }
+    path = os.path.join(checkpoint_dir, SIDECAR)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _read_sidecar(checkpoint_dir: str) -> tuple[str, dict[str, torch.dtype]]:
+    path = os.path.join(checkpoint_dir, SIDECAR)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"torch_fsdp_ext export: {checkpoint_dir} has no {SIDECAR}. Write it when saving the checkpoint: "
+            f"torch_fsdp_ext.save_loaded_dtypes(model, checkpoint_dir) next to dcp.save(...)."
+        ) from None
+    if record.get("format") != _SIDECAR_FORMAT:
+        raise ValueError(f"torch_fsdp_ext export: {path} is not a loaded-dtypes file of this plugin")
+    dtypes = {}
+    for fqn, name in record["dtypes"].items():
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"torch_fsdp_ext export: {path}: unknown dtype {name!r} for {fqn}")
+        dtypes[fqn] = dtype
+    return record["key"], dtypes
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def export(checkpoint_dir: str, out_dir: str, *, filename: str = "model.safetensors") -> str:
+    """Consolidate the model of a DCP checkpoint into one safetensors file in its loaded dtypes.
+
+    Offline (no process group), one tensor in memory at a time: the file's header is
+    written from the checkpoint's metadata first, then each tensor's bytes.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    key, dtypes = _read_sidecar(checkpoint_dir)
+    reader = dcp.FileSystemReader(checkpoint_dir)
+    stored = reader.read_metadata().state_dict_metadata
+    entries, offset = [], 0
+    for fqn, dtype in dtypes.items():
+        name = f"{key}.{fqn}" if key else fqn
+        meta = stored.get(name)
+        if meta is None or not hasattr(meta, "size"):
+            raise KeyError(f"torch_fsdp_ext export: {checkpoint_dir} holds no tensor {name!r}")
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"torch_fsdp_ext export: safetensors has no dtype for {fqn} ({dtype})")
+        nbytes = meta.size.numel() * dtype.itemsize
+        entries.append((fqn, name, meta, dtype, offset, offset + nbytes))
+        offset += nbytes
+    header = {"__metadata__": {"format": "pt"}}
+    for fqn, _, meta, dtype, start, end in entries:
+        header[fqn] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(meta.size), "data_offsets": [start, end]}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, filename)
+    with open(path + ".tmp", "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for _, name, meta, dtype, _, _ in entries:
+            master = {name: torch.empty(meta.size, dtype=meta.properties.dtype)}
+            dcp.load(master, storage_reader=reader, no_dist=True)
+            tensor = master.pop(name).to(dtype).contiguous().reshape(-1)
+            f.write(memoryview(tensor.view(torch.uint8).numpy()))
+            del tensor
+    os.replace(path + ".tmp", path)
+    return path
