@@ -106,6 +106,21 @@ class TestAsLoaded(FSDPExtTestCase):
             # Exporting changes nothing: the model trains on from the same masters.
             self.assert_bitwise_equal(full_masters(model), masters)
 
+    @needs_dtype_fix
+    @plugin_specific
+    def test_shards_of_unequal_size_gather_exactly(self):
+        # dim 0 of 33 rows: 17 and 16 per rank; of one row: rank 1 holds an empty shard.
+        with plugin(True):
+            model = seed_000_model(vocab=33)
+            model.layers[0].one_row = nn.Linear(16, 1).to(torch.bfloat16)
+            loaded = {fqn: t.dtype for fqn, t in model.state_dict().items()}
+            shard_model(model, mp_policy=BF16_MP)
+            train_lm(model, torch.optim.AdamW(model.parameters(), lr=1e-2), self.rank, steps=1)
+            self.assertEqual(model.layers[0].one_row.bias.to_local().numel(), 1 - self.rank)
+            expected = rounded(full_masters(model), loaded)
+            self.assert_bitwise_equal(dict(torch_fsdp_ext.iter_state_dict_as_loaded(model)), expected)
+            self.assert_bitwise_equal(torch_fsdp_ext.state_dict_as_loaded(model, cpu_offload=False), expected)
+
     @plugin_specific
     def test_preserve_equals_the_plain_full_state_dict(self):
         with plugin(True, dtype_strategy="preserve"):

@@ -86,16 +86,39 @@ def loaded_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
 
 def _full_in_dtype(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The full tensor of ``value`` in ``dtype``; a collective over its mesh when it is a DTensor."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(value, DTensor):
         return value.detach().to(dtype)
     mesh = value.device_mesh
-    local = value.to_local().detach().to(dtype)
+    local = value.to_local().detach()
+    if mesh.ndim == 1 and tuple(type(p) for p in value.placements) == (Shard,) and value.placements[0].dim == 0:
+        return _gather_dim0_in_dtype(local, value.shape, dtype, mesh)
+    local = local.to(dtype)
     if local.device.type != mesh.device_type:  # CPU offload: gather on the mesh's device
         local = local.to(mesh.device_type)
     shard = DTensor.from_local(local, mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
     return shard.full_tensor()
+
+
+def _gather_dim0_in_dtype(local: torch.Tensor, shape: torch.Size, dtype: torch.dtype, mesh: Any) -> torch.Tensor:
+    """FSDP's layout (dim 0 in ``torch.chunk`` pieces) gathered in place: the output is the only allocation.
+
+    Note: the local shard is cast straight into this rank's slot of the output, and
+    the all-gather reads its input from that slot, so no cast copy of the shard and
+    no padded copy of the result ever exist: the extra memory is one full tensor
+    (plus at most ``world_size - 1`` rows of padding when dim 0 does not divide).
+    """
+    world, rank = mesh.size(), mesh.get_local_rank()
+    rows = -(-shape[0] // world) if shape[0] else 0
+    device = local.device
+    if device.type != mesh.device_type:  # CPU offload: gather on the mesh's device
+        device = torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+    out = torch.empty((rows * world, *shape[1:]), dtype=dtype, device=device)
+    slot = out.narrow(0, rank * rows, rows)
+    slot.narrow(0, 0, local.shape[0]).copy_(local)
+    dist.all_gather_into_tensor(out, slot, group=mesh.get_group())
+    return out.narrow(0, 0, shape[0])
 
 
 @torch.no_grad()
