@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import unittest
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.testing._internal.common_utils import run_tests
 
 import torch_fsdp_ext
+from torch_fsdp_ext import _loaded_dtypes
 
 from common import (
     ROOT,
@@ -120,6 +122,9 @@ class TestAsLoaded(FSDPExtTestCase):
             expected = rounded(full_masters(model), loaded)
             self.assert_bitwise_equal(dict(torch_fsdp_ext.iter_state_dict_as_loaded(model)), expected)
             self.assert_bitwise_equal(torch_fsdp_ext.state_dict_as_loaded(model, cpu_offload=False), expected)
+            # A CPU mesh gathers in pieces: here of one row per rank.
+            with mock.patch.object(_loaded_dtypes, "_CPU_PIECE_BYTES", 64):
+                self.assert_bitwise_equal(dict(torch_fsdp_ext.iter_state_dict_as_loaded(model)), expected)
 
     @plugin_specific
     def test_preserve_equals_the_plain_full_state_dict(self):

@@ -101,8 +101,14 @@ def _full_in_dtype(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return shard.full_tensor()
 
 
+# Note: gloo copies the output of every all-gather through a flat buffer of its own, so
+# gathering a whole tensor at once would cost two on a CPU mesh; there it is gathered
+# in pieces of at most this many bytes (all ranks together).
+_CPU_PIECE_BYTES = 2 << 20
+
+
 def _gather_dim0_in_dtype(local: torch.Tensor, shape: torch.Size, dtype: torch.dtype, mesh: Any) -> torch.Tensor:
-    """FSDP's layout (dim 0 in ``torch.chunk`` pieces) gathered in place: the output is the only allocation.
+    """FSDP's layout (dim 0 in ``torch.chunk`` pieces) gathered into one allocation of the full tensor.
 
     Note: the local shard is cast straight into this rank's slot of the output, and
     the all-gather reads its input from that slot, so no cast copy of the shard and
@@ -110,14 +116,27 @@ def _gather_dim0_in_dtype(local: torch.Tensor, shape: torch.Size, dtype: torch.d
     (plus at most ``world_size - 1`` rows of padding when dim 0 does not divide).
     """
     world, rank = mesh.size(), mesh.get_local_rank()
-    rows = -(-shape[0] // world) if shape[0] else 0
+    group = mesh.get_group()
+    rows = -(-shape[0] // world)
     device = local.device
     if device.type != mesh.device_type:  # CPU offload: gather on the mesh's device
         device = torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
     out = torch.empty((rows * world, *shape[1:]), dtype=dtype, device=device)
     slot = out.narrow(0, rank * rows, rows)
     slot.narrow(0, 0, local.shape[0]).copy_(local)
-    dist.all_gather_into_tensor(out, slot, group=mesh.get_group())
+    if device.type != "cpu":
+        dist.all_gather_into_tensor(out, slot, group=group)
+        return out.narrow(0, 0, shape[0])
+    row_bytes = max(1, out[0].numel() * out.element_size()) if rows else 1
+    step = max(1, _CPU_PIECE_BYTES // (world * row_bytes))
+    for start in range(0, rows, step):
+        count = min(step, rows - start)
+        piece = torch.empty((world * count, *shape[1:]), dtype=dtype, device=device)
+        dist.all_gather_into_tensor(piece, slot.narrow(0, start, count), group=group)
+        for source in range(world):
+            if source != rank:
+                out.narrow(0, source * rows + start, count).copy_(piece.narrow(0, source * count, count))
+        del piece
     return out.narrow(0, 0, shape[0])
 
 
