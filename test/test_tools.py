@@ -56,6 +56,15 @@ class TestTools(TestCase):
         if HAS_DTYPE_BUG:
             self.assertRegex(result.stdout, r"bytes added (\d+) = expected \1 ")
 
+    def test_export_bench_quick(self):
+        result = run_tool("tools/bench_export.py", "--quick")
+        # Exit 0 also means every method's result equaled get_model_state_dict + a cast by hand bit for bit.
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        methods = [line.split()[0] for line in result.stdout.splitlines()
+                   if line.startswith(("by hand", "state_dict_as_loaded", "streamed"))]
+        self.assertEqual(methods, ["by", "state_dict_as_loaded", "streamed"], result.stdout)
+        self.assertRegex(result.stdout, r"streamed extra peak <= 1.1 x largest tensor on every rank: \d")
+
     @unittest.skipIf(
         shutil.which("valgrind") is None or shutil.which("callgrind_control") is None,
         "valgrind (callgrind) is not installed: tools/bench_instructions.py counts with it",
