@@ -251,5 +251,42 @@ class TestAsLoaded(FSDPExtTestCase):
                              {k: t.dtype for k, t in get_peft_model_state_dict(model, state_dict=expected).items()})
 
 
+    @needs_dtype_fix
+    @needs_peft
+    @plugin_specific
+    def test_peft_merged_on_one_process_from_the_release_dict_equals_the_merged_masters(self):
+        """The documented recipe: load ``state_dict_as_loaded`` into a fresh peft model on rank 0, merge_and_unload.
+
+        Against a reference that merges the fp32 masters themselves and rounds once: equal
+        bit for bit, because a frozen base weight never changed dtype and the adapters
+        train in the dtype they were loaded in.
+        """
+        from peft import LoraConfig, get_peft_model
+
+        def lora() -> LoraConfig:
+            return LoraConfig(r=4, target_modules=["wq", "wo"], modules_to_save=["head"])
+
+        with plugin(True):
+            torch.manual_seed(0)
+            model = get_peft_model(seed_000_model(), lora())
+            for layer in model.base_model.model.layers:
+                fully_shard(layer, mp_policy=BF16_MP)
+            fully_shard(model, mp_policy=BF16_MP)
+            train_lm(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
+                     self.rank, steps=2)
+            masters = full_masters(model, cpu_offload=True)
+            release = torch_fsdp_ext.state_dict_as_loaded(model)
+        if self.rank == 0:
+            fresh = get_peft_model(seed_000_model(), lora())
+            fresh.load_state_dict(release)
+            merged = fresh.merge_and_unload().state_dict()
+            in_masters = get_peft_model(seed_000_model().float(), lora())
+            in_masters.load_state_dict(masters)
+            loaded = {fqn: t.dtype for fqn, t in seed_000_model().state_dict().items()}
+            expected = {fqn: t.to(loaded[fqn]) for fqn, t in in_masters.merge_and_unload().state_dict().items()}
+            self.assert_bitwise_equal(merged, expected)
+            self.assertFalse(torch.equal(merged["layers.0.wq.weight"], seed_000_model().layers[0].wq.weight))
+        dist.barrier()
+
 if __name__ == "__main__":
     run_tests()
