@@ -1,5 +1,5 @@
-"""Simulated future torch releases for the recompute fix: torch's checkpoint or FSDP2 internals
-change meaning before the plugin is imported (test/scripts/simulated_release.py).
+"""Simulated future torch releases: torch's checkpoint or FSDP2 internals change meaning before
+the plugin is imported (test/scripts/simulated_release.py), or FSDP2 is missing altogether.
 
 Expected per change: the fix works bit for bit, or it stands aside with one warning naming it
 and training, with checkpoint, with and without FSDP, equals plain torch's bit for bit.
@@ -62,6 +62,61 @@ class TestSimulatedReleases(unittest.TestCase):
                 self.assertEqual(fixed["plain"], reference["plain"])
                 self.assertEqual(fixed["fsdp"], reference["fsdp"])
 
+
+
+# FSDP2 cannot be imported (a build or release without it), or its package has no fully_shard.
+NO_FSDP2 = {
+    "not importable": "sys.modules['torch.distributed.fsdp'] = None",
+    "no fully_shard": "import torch.distributed.fsdp as public, torch.distributed._composable.fsdp as old\n"
+    "public.__dict__.pop('fully_shard'); old.__dict__.pop('fully_shard', None)",
+}
+NO_FSDP2_PROBE = """
+import json, sys, warnings
+import torch
+from torch.utils.checkpoint import checkpoint
+{simulation}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch_fsdp_ext
+try:
+    torch_fsdp_ext.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    policy_error = None
+except ImportError as e:
+    policy_error = str(e)
+torch.manual_seed(0)
+lin = torch.nn.Linear(4, 4)
+x = torch.randn(2, 4)
+checkpoint(lambda t: lin(t).relu(), x, use_reentrant=False).sum().backward()
+checkpointed = lin.weight.grad.clone()
+lin.weight.grad = None
+lin(x).relu().sum().backward()
+print(json.dumps({
+    "warnings": [str(w.message) for w in caught if "torch_fsdp_ext" in str(w.message)],
+    "active": [name for name, fix in torch_fsdp_ext.status().fixes.items() if fix.active],
+    "policy_error": policy_error,
+    "checkpoint_exact": bool(torch.equal(checkpointed, lin.weight.grad)),
+}))
+"""
+
+
+class TestWithoutFSDP2(unittest.TestCase):
+    def test_import_succeeds_warns_once_and_checkpoint_works(self) -> None:
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("TORCH_FSDP_EXT_DISABLE", None)
+        for case, simulation in NO_FSDP2.items():
+            with self.subTest(case=case):
+                result = subprocess.run([sys.executable, "-c", NO_FSDP2_PROBE.replace("{simulation}", simulation)],
+                                        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+                self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+                outcome = json.loads(result.stdout.strip().splitlines()[-1])
+                self.assertIn("FSDP2", outcome["policy_error"])
+                self.assertTrue(outcome["checkpoint_exact"])
+                if case == "not importable":
+                    self.assertEqual(outcome["active"], [])
+                    self.assertEqual(len(outcome["warnings"]), 1, outcome["warnings"])
+                    self.assertIn("nothing is patched", outcome["warnings"][0])
+                else:  # the internals the fixes patch are still there: they install, with no warning
+                    self.assertEqual(outcome["warnings"], [])
 
 if __name__ == "__main__":
     unittest.main()

@@ -44,16 +44,35 @@ from ._dtype_plan import format_dtype, param_names
 
 ENV_VAR = "TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE"
 
-_TorchMixedPrecisionPolicy = _compat.fsdp2_api().MixedPrecisionPolicy
+# Note: a torch without FSDP2 still imports the plugin (it then installs nothing);
+# only making this policy is an error there.
+try:
+    _TorchMixedPrecisionPolicy = _compat.fsdp2_api().MixedPrecisionPolicy
+    _NO_FSDP2: ImportError | None = None
+except ImportError as error:
+    _TorchMixedPrecisionPolicy, _NO_FSDP2 = None, error
 
 # Note: probed from the dataclass fields, not the version: 2.15 is the first release with it.
-TORCH_HAS_OVERRIDE = "param_dtype_override_fn" in {f.name for f in dataclasses.fields(_TorchMixedPrecisionPolicy)}
+TORCH_HAS_OVERRIDE = _TorchMixedPrecisionPolicy is not None and "param_dtype_override_fn" in {
+    f.name for f in dataclasses.fields(_TorchMixedPrecisionPolicy)
+}
 
 # Set on an FSDPParam whose compute dtype an override chose: the dtype it computes in.
 _COMPUTE_ATTR = "_torch_fsdp_ext_compute_dtype"
 
 
-if TORCH_HAS_OVERRIDE:
+if _TorchMixedPrecisionPolicy is None:
+
+    class MixedPrecisionPolicy:  # type: ignore[no-redef]
+        """Stands in for FSDP2's policy on a torch without FSDP2: making one names the cause."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise ImportError(
+                f"torch_fsdp_ext.MixedPrecisionPolicy needs FSDP2 (fully_shard), and torch {torch.__version__} "
+                f"has none here: {_NO_FSDP2}"
+            )
+
+elif TORCH_HAS_OVERRIDE:
     MixedPrecisionPolicy = _TorchMixedPrecisionPolicy
 else:
 
