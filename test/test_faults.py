@@ -546,8 +546,8 @@ class TestSettingsAtImport(TestCase):
         self.assertNotEqual(result.returncode, 0)
         self.assertEqual(
             result.stderr.strip().splitlines()[-1],
-            "ValueError: torch_fsdp_ext: TORCH_FSDP_EXT_DTYPE_STRATEGY must be one of upcast, preserve, error "
-            "(any case), got 'preserv'",
+            "torch_fsdp_ext.SettingError: torch_fsdp_ext: TORCH_FSDP_EXT_DTYPE_STRATEGY must be one of upcast, preserve, "
+            "error (any case), got 'preserv'",
         )
         code = "import torch_fsdp_ext; torch_fsdp_ext.install(dtype_strategy='upcast'); " + self.REPORT
         out, _ = self.run_import({"TORCH_FSDP_EXT_DTYPE_STRATEGY": "error"}, code)

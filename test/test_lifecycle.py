@@ -354,16 +354,40 @@ class TestSpawnedRanks(TestCase):
         self.assertEqual(launched["dtypes"], ["torch.float32"])
         self.assertEqual(launched["losses"], workaround["losses"])
 
-        # The variable alone, in any interpreter that imports torch, with the strategy it is given.
+        # The variable alone, in any interpreter that imports FSDP, with the strategy it is given.
         probe = (
-            "import sys, torch; plugin = sys.modules.get('torch_fsdp_ext'); "
+            "import sys, torch.distributed.fsdp; plugin = sys.modules.get('torch_fsdp_ext'); "
             "print(plugin and plugin.status().fixes['dtype'].details['strategy'])"
         )
-        variable = subprocess.run(
-            [self.python, "-c", probe], capture_output=True, text=True, cwd=SCRIPT_DIR,
-            env=self.env(TORCH_FSDP_EXT_AUTOLOAD="1", TORCH_FSDP_EXT_DTYPE_STRATEGY="preserve"),
-        )
+        variable = self.python_c(probe, TORCH_FSDP_EXT_AUTOLOAD="1", TORCH_FSDP_EXT_DTYPE_STRATEGY="preserve")
         self.assertEqual(variable.stdout.strip(), "preserve", variable.stderr)
+
+    def python_c(self, code: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([self.python, "-c", code], capture_output=True, text=True, cwd=SCRIPT_DIR,
+                              env=self.env(**env), timeout=300)
+
+    def test_autoload_waits_for_fsdp_and_a_bad_setting_stops_only_that_process(self):
+        imported = "import sys; print(sorted(m for m in ('torch_fsdp_ext', 'torch._dynamo') if m in sys.modules))"
+        # A process that imports torch and never FSDP gets nothing of the plugin.
+        torch_only = self.python_c("import torch; " + imported, TORCH_FSDP_EXT_AUTOLOAD="1")
+        self.assertEqual((torch_only.returncode, torch_only.stdout.strip()), (0, "[]"), torch_only.stderr)
+        with_fsdp = self.python_c("import torch.distributed.fsdp; " + imported, TORCH_FSDP_EXT_AUTOLOAD="1")
+        self.assertIn("'torch_fsdp_ext'", with_fsdp.stdout, with_fsdp.stderr)
+
+        bad_settings = {
+            "TORCH_FSDP_EXT_DTYPE_STRATEGY": ("preserv", "TORCH_FSDP_EXT_DTYPE_STRATEGY must be one of upcast"),
+            "TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE": (",,,", "TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE=',,,' names no"),
+        }
+        for variable, (value, error) in bad_settings.items():
+            with self.subTest(variable=variable):
+                settings = {"TORCH_FSDP_EXT_AUTOLOAD": "1", variable: value}
+                unrelated = self.python_c("import torch; print(torch.ones(1).item())", **settings)
+                self.assertEqual((unrelated.returncode, unrelated.stdout.strip()), (0, "1.0"), unrelated.stderr)
+                self.assertNotIn("torch_fsdp_ext", unrelated.stderr)
+                training = self.python_c("from torch.distributed.fsdp import fully_shard", **settings)
+                self.assertNotEqual(training.returncode, 0)
+                self.assertIn(error, training.stderr)
+                self.assertIn("SettingError", training.stderr)
 
 
 if __name__ == "__main__":

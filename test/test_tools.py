@@ -65,6 +65,13 @@ class TestTools(TestCase):
         self.assertEqual(methods, ["by", "state_dict_as_loaded", "streamed"], result.stdout)
         self.assertRegex(result.stdout, r"streamed extra peak <= 1.1 x largest tensor on every rank: \d")
 
+    def test_startup_cost_one_round(self):
+        result = run_tool("tools/startup_cost.py", "--rounds", "1")
+        # Exit 0: under TORCH_FSDP_EXT_AUTOLOAD=1, a process that imports torch and never FSDP loads no plugin module.
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        rows = {tuple(line.split()[:2]): line.split() for line in result.stdout.splitlines()}
+        self.assertEqual(rows[("torch.distributed.fsdp", "set")][-2], "True", result.stdout)  # there it is imported
+
     @unittest.skipIf(
         shutil.which("valgrind") is None or shutil.which("callgrind_control") is None,
         "valgrind (callgrind) is not installed: tools/bench_instructions.py counts with it",

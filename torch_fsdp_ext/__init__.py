@@ -3,7 +3,7 @@
 ``import torch_fsdp_ext`` installs every fix this torch release needs; set
 ``TORCH_FSDP_EXT_DISABLE=1`` to import without installing, and
 ``TORCH_FSDP_EXT_DTYPE_STRATEGY`` to choose the dtype strategy (a value that is
-not a strategy stops the import with a ``ValueError``). See README.md.
+not a strategy stops the import with a ``SettingError``, a ``ValueError``). See README.md.
 """
 
 import warnings as _warnings
@@ -12,6 +12,7 @@ from . import _compute_dtype, _env, _install
 from ._compute_dtype import LoadedDtypeModules, MixedPrecisionPolicy, compute_in_loaded_dtype
 from ._dtype_plan import MixedParamDtypeError
 from ._dtype_strategies import STRATEGIES
+from ._env import SettingError
 from ._loaded_dtypes import iter_state_dict_as_loaded, loaded_dtypes, save_loaded_dtypes, state_dict_as_loaded
 from ._install import FIX_NAMES, FixStatus, Status, install, installed, status, uninstall
 from ._rank_consistency import RankCheckTimeoutError
@@ -24,6 +25,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "MixedParamDtypeError",
     "RankCheckTimeoutError",
+    "SettingError",
     "Status",
     "compute_in_loaded_dtype",
     "install",

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-from . import _compat
+from . import _compat, _env
 from ._dtype_plan import format_dtype, param_names
 
 ENV_VAR = "TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE"
@@ -268,8 +268,22 @@ def default_selectors() -> tuple[str, ...]:
     return _default_selectors
 
 
-def selectors_from_env() -> str | None:
-    return os.environ.get(ENV_VAR)
+def selectors_from_env() -> list[str] | None:
+    """The variable's comma-separated selectors; None when unset or empty.
+
+    A value that names nothing (``",,,"``) raises: it asked for fp32 norms and would
+    give none.
+    """
+    raw = os.environ.get(ENV_VAR)
+    if raw is None or not raw.strip():
+        return None
+    selectors = [s.strip() for s in raw.split(",") if s.strip()]
+    if not selectors:
+        raise _env.SettingError(
+            f"torch_fsdp_ext: {ENV_VAR}={raw!r} names no module. Give comma-separated module class names or FQN "
+            "patterns (e.g. LlamaRMSNorm,model.norm), or leave it unset."
+        )
+    return selectors
 
 
 # ---------------------------------------------------------------------------

@@ -4,7 +4,9 @@
   and counts as unset: the fixes stay on);
 - ``TORCH_FSDP_EXT_DTYPE_STRATEGY``: the dtype strategy used when ``install()`` names none.
   An unknown value raises: a strategy the user asked for is never silently replaced by
-  the default.
+  the default;
+- ``TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE`` (read by ``_compute_dtype``): a value that
+  names no module raises for the same reason.
 """
 
 from __future__ import annotations
@@ -12,6 +14,13 @@ from __future__ import annotations
 import os
 import warnings
 from typing import Iterable
+
+class SettingError(ValueError):
+    """A setting the plugin cannot honour (environment or API); raised, never replaced by a default."""
+
+
+SettingError.__module__ = "torch_fsdp_ext"  # where users import it from; tracebacks name it so
+
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -46,7 +55,7 @@ def parse_choice(value: object, allowed: Iterable[str], what: str) -> str:
     allowed = tuple(allowed)
     name = value.strip().lower() if isinstance(value, str) else value
     if name not in allowed:
-        raise ValueError(
+        raise SettingError(
             f"torch_fsdp_ext: {what} must be one of {', '.join(allowed)} (any case), got {value!r}"
         )
     return name
