@@ -297,6 +297,91 @@ SCRIPT_DIR = os.path.join(ROOT, "test", "scripts")
 
 @plugin_specific
 @needs_dtype_bug
+class CountingList(list):
+    """A param group's ``params`` that counts how often something walks it."""
+
+    walks = 0
+
+    def __iter__(self):
+        CountingList.walks += 1
+        return super().__iter__()
+
+
+class StandInFSDPParam:
+    """What the optimizer pre-hook keeps of an FSDPParam: its sharded parameter."""
+
+    def __init__(self) -> None:
+        self.sharded_param = nn.Parameter(torch.zeros(2))
+
+
+class TestOptimizerPreHookCost(TestCase):
+    """The pre-hook that looks for optimizer state older than an upcast (``_optimizer_state``)."""
+
+    def setUp(self) -> None:
+        from torch_fsdp_ext import _optimizer_state
+
+        self.state = _optimizer_state
+        self.addCleanup(self.reset)
+
+    def reset(self) -> None:
+        self.state._upcast.clear()
+        self.state._check_pending(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))  # empties: hook off
+        self.state.release()
+
+    def optimizer(self, count: int) -> torch.optim.Optimizer:
+        params = [nn.Parameter(torch.zeros(2)) for _ in range(count)]
+        for p in params:
+            p.grad = torch.ones(2)
+        optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        optimizer.param_groups[0]["params"] = CountingList(optimizer.param_groups[0]["params"])
+        return optimizer
+
+    def test_steps_walk_the_optimizer_once_not_per_step(self):
+        optimizer = self.optimizer(100)
+        self.state.remember_upcast(StandInFSDPParam(), torch.bfloat16)  # pending for good: no optimizer holds it
+        CountingList.walks = 0
+        hook = self.state._check_before_step
+        for _ in range(5):
+            hook(optimizer, (), {})
+        self.assertEqual(CountingList.walks, 1)  # the ids are collected once, not at every step
+        optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+        hook(optimizer, (), {})
+        self.assertEqual(CountingList.walks, 2)  # ... and again when the groups change
+
+    def test_nothing_pending_after_the_holding_optimizer_stepped(self):
+        held = StandInFSDPParam()
+        held.sharded_param.grad = torch.ones(2)
+        optimizer = torch.optim.SGD([held.sharded_param], lr=0.1, momentum=0.9)
+        self.state.remember_upcast(held, torch.bfloat16)
+        self.assertTrue(self.state._awaiting_check)
+        optimizer.step()  # its state is made in the new dtype: nothing older to find
+        self.assertFalse(self.state._awaiting_check)
+        self.assertEqual(len(self.state._held), 0)
+
+    def test_no_graph_break_in_a_compiled_step_once_nothing_is_pending(self):
+        from torch._dynamo.utils import counters
+
+        def breaks_of_compiled_steps(with_hook: bool) -> list[str]:
+            torch._dynamo.reset()
+            counters.clear()
+            optimizer = self.optimizer(4)
+            handle = None
+            if with_hook:
+                held = StandInFSDPParam()
+                held.sharded_param.grad = torch.ones(2)
+                optimizer.add_param_group({"params": [held.sharded_param]})
+                self.state.remember_upcast(held, torch.bfloat16)
+                optimizer.step()  # the first step clears what was pending
+                handle = self.state._hook_handle
+                self.assertIsNotNone(handle)
+            step = torch.compile(optimizer.step, backend="eager")
+            for _ in range(2):
+                step()
+            return sorted(counters["graph_break"])
+
+        self.assertEqual(breaks_of_compiled_steps(True), breaks_of_compiled_steps(False))
+
+
 class TestSpawnedRanks(TestCase):
     """``train_seed000.py --spawn 2`` starts its ranks with torch.multiprocessing.spawn and never imports
     the plugin; the package is installed (editable, as CI does) into a throwaway venv that reuses this torch."""

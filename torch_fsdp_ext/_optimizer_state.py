@@ -10,9 +10,14 @@ optimizer state loaded before the cast was also rounded to the old dtype. FSDP
 cannot see optimizers and torch keeps no registry of them; the one place every
 optimizer passes before it touches its state is torch.optim's global step
 pre-hook. So the upcast parameters are remembered (weakly) and checked there, at
-the next step of every optimizer that holds them, which raises naming them and the
+the next step of an optimizer that holds them, which raises naming them and the
 fix before the optimizer runs; with nothing left to check it returns at once, and
 ``uninstall()`` removes it.
+
+Note: the check costs O(parameters still to check) per step, not O(parameters of
+the optimizer): each optimizer's parameter ids are collected once (again only when
+its param groups change), and once nothing is left to check the hook reads one
+module-level bool, which ``torch.compile`` traces without a graph break.
 """
 
 from __future__ import annotations
@@ -32,13 +37,17 @@ _lock = threading.Lock()
 # nn.Parameter -> (a weak reference to its FSDPParam, the dtype it had before the upcast)
 _upcast: WeakIdKeyDictionary = WeakIdKeyDictionary()  # by identity: tensors compare elementwise
 _hook_handle: Any = None
+_awaiting_check = False  # _upcast is not empty: the hook's fast path reads only this
+# optimizer -> (its param groups as seen, the ids of its parameters)
+_held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def remember_upcast(fsdp_param: Any, dtype_before: torch.dtype) -> None:
     """Check the parameter's optimizer state at the next step of each optimizer that holds it."""
-    global _hook_handle
+    global _hook_handle, _awaiting_check
     with _lock:
         _upcast[fsdp_param.sharded_param] = (weakref.ref(fsdp_param), dtype_before)
+        _awaiting_check = True
         if _hook_handle is None:
             _hook_handle = register_optimizer_step_pre_hook(_check_before_step)
 
@@ -62,25 +71,41 @@ def release() -> None:
             _hook_handle = None
 
 
+def _held_ids(optimizer: torch.optim.Optimizer) -> frozenset[int]:
+    groups = tuple((id(group), len(group["params"])) for group in optimizer.param_groups)
+    cached = _held.get(optimizer)
+    if cached is None or cached[0] != groups:
+        cached = (groups, frozenset(id(p) for group in optimizer.param_groups for p in group["params"]))
+        _held[optimizer] = cached
+    return cached[1]
+
+
 def _check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not _upcast:
+    if not _awaiting_check:
         return  # Note: not removed here: torch is iterating over the hooks
+    _check_pending(optimizer)
+
+
+def _check_pending(optimizer: torch.optim.Optimizer) -> None:
+    global _awaiting_check
     with _lock:
+        held = _held_ids(optimizer)
         stale, checked = [], []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                entry = _upcast.get(param)
-                if entry is None:
-                    continue
-                checked.append(param)
-                keys = _stale_state(optimizer, param, entry[1])
-                if keys:
-                    fsdp_param = entry[0]()  # its FQN is known once the group's lazy init ran
-                    name = _compat.fsdp_param_name(fsdp_param, 0) if fsdp_param is not None else "<param>"
-                    stale.append((name, entry[1], param.dtype, keys))
+        for param, (fsdp_param_ref, dtype_before) in list(_upcast.items()):
+            if id(param) not in held:
+                continue
+            checked.append(param)
+            keys = _stale_state(optimizer, param, dtype_before)
+            if keys:
+                fsdp_param = fsdp_param_ref()  # its FQN is known once the group's lazy init ran
+                name = _compat.fsdp_param_name(fsdp_param, 0) if fsdp_param is not None else "<param>"
+                stale.append((name, dtype_before, param.dtype, keys))
         if not stale:
             for param in checked:
                 _upcast.pop(param, None)  # its state is created in its new dtype from now on
+            if not _upcast:
+                _awaiting_check = False
+                _held.clear()
             return
     lines = [
         "torch_fsdp_ext: this optimizer holds state made before the plugin upcast these parameters to fp32 "
