@@ -265,7 +265,8 @@ class TestPluginOnSomeRanksOnly(FSDPExtTestCase):
                 "torch_fsdp_ext: rank(s) 1 did not report the parameter dtypes of FSDP2 group(s) '<root>' within "
                 "15 s (the process group's timeout). Every rank must run the same torch_fsdp_ext installation (none "
                 "disabled with TORCH_FSDP_EXT_DISABLE, the same install()/uninstall() calls and dtype_strategy) and "
-                "change parameter dtypes alike.",
+                "change parameter dtypes alike. No later comparison on this process group is trusted: each fails "
+                "at once, on every rank.",
             )
         else:
             self.assertNotIsInstance(caught.exception, RankCheckTimeoutError)  # FSDP's all-gather, not ours

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torch_fsdp_ext import MixedParamDtypeError, _compat
+from torch_fsdp_ext import MixedParamDtypeError, RankCheckTimeoutError, _compat
 from torch_fsdp_ext._rank_consistency import _Comparison, comparisons_made
 
 from common import (
@@ -106,7 +106,7 @@ def simulated_comparison_traffic(world: int, payload: str) -> list[tuple[tuple[i
 
 
 def traffic_of(traffic: StoreTraffic) -> tuple[tuple[int, int], int, int]:
-    role = (traffic.calls.get("set", 0), traffic.calls.get("delete_key", 0))  # verdict posted, keys deleted
+    role = (traffic.calls.get("compare_set", 0), traffic.calls.get("delete_key", 0))  # verdict posted, keys deleted
     return role, traffic.total(), traffic.bytes
 
 
@@ -307,6 +307,39 @@ class TestStaleKeys(TestCase):
             self.assertEqual(both((second, second)), [])
             self.assertLess(time.monotonic() - started, 5)
         self.assertEqual(both((first, second))[0].__class__, MixedParamDtypeError)  # and differences still show
+
+
+@plugin_specific
+class TestAfterATimeout(TestCase):
+    def test_a_caught_timeout_never_lets_a_later_comparison_agree(self):
+        """Two ranks as threads on one TCPStore. Rank 1 is late; rank 0 times out, catches it and compares again.
+
+        Before: rank 0's second comparison counted into the first one's round and agreed with its own
+        earlier digest; rank 1, arriving, waited its whole timeout and then said rank 0 "did not report".
+        Now every later comparison, on either rank, fails at once naming rank 0's timeout, and only the
+        round counter, the process group's abandoned mark and the abandoned verdict stay in the store.
+        """
+        self.addCleanup(gc.collect)  # the server dies in this process (see TestStaleKeys)
+        server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+        traffic = StoreTraffic()
+        store = CountingStore(dist.PrefixStore("0/", dist.TCPStore("127.0.0.1", server.port, 2, False)), traffic)
+        layout = json.dumps([["<root>", [["w", "torch.float32", True]]]])
+
+        def compare(me: int, timeout_s: float = 1.0) -> None:
+            comparison = _Comparison(store, me, 2, layout, "'<root>'", timedelta(seconds=timeout_s), "test")
+            comparison.count()
+            comparison.conclude(MixedParamDtypeError)
+
+        with self.assertRaisesRegex(RankCheckTimeoutError, r"rank\(s\) 1 did not report"):
+            compare(0)
+        for me in (0, 1, 0):  # rank 0 goes on; rank 1 arrives; rank 0 again
+            started = time.monotonic()
+            with self.assertRaisesRegex(RankCheckTimeoutError, "rank 0 gave up a comparison on this process group "
+                                        "after its timeout of 1 s"):
+                compare(me, timeout_s=10)
+            self.assertLess(time.monotonic() - started, 5)  # at once, not after a timeout
+        left = sorted(key.split("/w2/", 1)[-1] for key in traffic.keys if store.check([key]))
+        self.assertEqual(left, ["abandoned", "r0/verdict", "round"])
 
 
 # ---------------------------------------------------------------------------

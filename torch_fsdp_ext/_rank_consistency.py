@@ -70,8 +70,18 @@ from ._patching import PatchSet, wraps
 # The rank that completes ``count`` to 2*world deletes the comparison's keys. The
 # elastic attempt (run id and restart count, the same on every rank of an attempt)
 # keeps a restarted job from counting with keys its failed attempt left mid-comparison.
+#
+# After a timeout the round counter no longer says which comparison a rank is in: the
+# rank that gave up has counted, the missing one has not, and a rank that caught the
+# error and compares again would count into the same comparison and could agree with
+# its own earlier digest. So a rank that times out sets the verdict to ``abandoned``
+# (``compare_set``: a verdict that arrived meanwhile wins), and the process group's
+# ``abandoned`` key to the same, and deletes the round's other keys. Every comparison
+# reads that key first: once it is set, every rank that compares on the process group
+# (the one that gave up, a late one, any later comparison) raises at once, naming the
+# rank that gave up. Only ``round``, ``abandoned`` and the abandoned verdict stay.
 _KEY_PREFIX = "torch_fsdp_ext/rank_check"
-_AGREE, _DIFFER = "agree", "differ"
+_AGREE, _DIFFER, _ABANDONED = "agree", "differ", "abandoned"
 
 
 class RankCheckTimeoutError(RuntimeError):
@@ -227,6 +237,7 @@ class _Comparison:
         self.timeout, self.timeout_source, self.global_rank = timeout, timeout_source, global_rank
         self.namespace = f"{_KEY_PREFIX}/{_attempt()}/w{world}/"
         self.verdict: str | None = None
+        self.digest_key: str | None = None  # set once this rank counted its digest
 
     @classmethod
     def of(cls, pg: Any, store: Any, entries: list[tuple[Any, tuple]]) -> _Comparison:
@@ -244,19 +255,39 @@ class _Comparison:
     def count(self) -> None:
         store, world = self.store, self.world
         arrival = store.add(self.namespace + "round", 1)
-        self.prefix = f"{self.namespace}r{(arrival - 1) // world}/"
+        self.round = (arrival - 1) // world
+        self.prefix = f"{self.namespace}r{self.round}/"
+        if store.check([self.namespace + _ABANDONED]):  # an earlier comparison was given up: none is trusted
+            self.verdict = store.get(self.namespace + _ABANDONED).decode()
+            return
         self.digest_key = self.prefix + "d/" + _digest(self.payload)
         store.add(self.digest_key, 1)
         store.append(self.prefix + "present", f"{self.me},")
         if store.add(self.prefix + "count", 1) == world:  # every rank's digest is counted
-            self.verdict = _AGREE if store.add(self.digest_key, 0) == world else _DIFFER
-            store.set(self.prefix + "verdict", self.verdict)
+            self.verdict = self._set_verdict(_AGREE if store.add(self.digest_key, 0) == world else _DIFFER)
+
+    def _set_verdict(self, verdict: str) -> str:
+        """Set the verdict unless one is set already; the verdict that holds."""
+        return self.store.compare_set(self.prefix + "verdict", "", verdict).decode()
+
+    def _abandon(self, reason: str) -> str:
+        """Mark this comparison and the process group's abandoned, unless a verdict came first; the verdict."""
+        verdict = self._set_verdict(f"{_ABANDONED}:{self.global_rank(self.me)}:{reason}")
+        if verdict.startswith(_ABANDONED):
+            self._abandon_process_group(verdict)
+        return verdict
+
+    def _abandon_process_group(self, verdict: str) -> None:
+        self.store.compare_set(self.namespace + _ABANDONED, "", verdict)
 
     def conclude(self, mismatch_error: type[Exception]) -> None:
         store = self.store
         if self.verdict is None:
-            self._wait([self.prefix + "verdict"], self._missing_from_present)
-            self.verdict = store.get(self.prefix + "verdict").decode()
+            self.verdict = self._wait_for_verdict()
+        if self.verdict.startswith(_ABANDONED):
+            if self.digest_key is not None:  # counted before it saw the verdict
+                self._delete([self.digest_key, self.prefix + "present", self.prefix + "count"])
+            raise self._abandoned_error(self.verdict)
         if self.verdict == _AGREE:
             self._finish([self.digest_key])
             return
@@ -272,18 +303,52 @@ class _Comparison:
         ranks = [self.global_rank(r) for r in range(self.world)]
         raise mismatch_error(_describe(ranks, [json.loads(payloads[r]) for r in range(self.world)]))
 
+    def _wait_for_verdict(self) -> str:
+        try:
+            self.store.wait([self.prefix + "verdict"], self.timeout)
+        except Exception:  # noqa: BLE001 - each store type raises its own timeout error
+            pass
+        else:
+            return self.store.get(self.prefix + "verdict").decode()
+        absent = self._missing_from_present()
+        verdict = self._abandon(f"its timeout of {self.timeout.total_seconds():g} s")
+        if not verdict.startswith(_ABANDONED):
+            return verdict  # the last rank came just in time
+        self._delete([self.digest_key, self.prefix + "present", self.prefix + "count"])
+        raise self._timeout_error(absent)
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
+            self.store.delete_key(key)
+
+    def _timeout_error(self, absent: list[int]) -> RankCheckTimeoutError:
+        missing = ", ".join(str(self.global_rank(r)) for r in absent) or "(none missing: the ranks are out of step)"
+        return RankCheckTimeoutError(
+            f"torch_fsdp_ext: rank(s) {missing} did not report the parameter dtypes of FSDP2 group(s) "
+            f"{self.names} within {self.timeout.total_seconds():g} s ({self.timeout_source}). "
+            "Every rank must run the same torch_fsdp_ext installation (none disabled with "
+            "TORCH_FSDP_EXT_DISABLE, the same install()/uninstall() calls and dtype_strategy) and change "
+            "parameter dtypes alike. No later comparison on this process group is trusted: each fails at once, "
+            "on every rank."
+        )
+
+    def _abandoned_error(self, verdict: str) -> RankCheckTimeoutError:
+        _, rank, reason = verdict.split(":", 2)
+        return RankCheckTimeoutError(
+            f"torch_fsdp_ext: the ranks cannot compare the parameter dtypes of FSDP2 group(s) {self.names}: rank "
+            f"{rank} gave up a comparison on this process group after {reason}, so the ranks' comparisons are out "
+            "of step and none is trusted from here. Restart every rank. Usual causes: ranks that reach their first "
+            "forward further apart than the process group's timeout, a rank that caught RankCheckTimeoutError and "
+            "went on, ranks with different torch_fsdp_ext installations."
+        )
+
     def _wait(self, keys: list[str], missing: Callable[[], list[int]]) -> None:
         try:
             self.store.wait(keys, self.timeout)
         except Exception:  # noqa: BLE001 - each store type raises its own timeout error
-            absent = ", ".join(str(self.global_rank(r)) for r in missing())
-            raise RankCheckTimeoutError(
-                f"torch_fsdp_ext: rank(s) {absent} did not report the parameter dtypes of FSDP2 group(s) "
-                f"{self.names} within {self.timeout.total_seconds():g} s ({self.timeout_source}). "
-                "Every rank must run the same torch_fsdp_ext installation (none disabled with "
-                "TORCH_FSDP_EXT_DISABLE, the same install()/uninstall() calls and dtype_strategy) and change "
-                "parameter dtypes alike."
-            ) from None
+            reason = f"its timeout of {self.timeout.total_seconds():g} s, waiting for layouts"
+            self._abandon_process_group(f"{_ABANDONED}:{self.global_rank(self.me)}:{reason}")
+            raise self._timeout_error(missing()) from None
 
     def _missing_from_present(self) -> list[int]:
         present = self.store.get(self.prefix + "present").decode() if self.store.check([self.prefix + "present"]) else ""
