@@ -64,6 +64,23 @@ class TestSimulatedReleases(unittest.TestCase):
 
 
 
+    def test_a_symbol_only_one_fix_needs_sets_aside_that_fix_alone(self) -> None:
+        # simulated change -> (the fix that stands aside, what its warning names, the fix that stays active)
+        cases = {
+            "init_mp_dtypes_renamed": ("dtype", "FSDPParamGroup._init_mp_dtypes", "recompute"),
+            "recomputation_hook_renamed": ("recompute", "_recomputation_hook", "dtype"),
+        }
+        for case, (aside, named, works) in cases.items():
+            with self.subTest(case=case):
+                plain, fixed = simulate(case, "--bf16"), simulate(case, "--plugin", "--bf16")
+                self.assertNotIn("error", plain)
+                self.assertNotIn("error", fixed)
+                self.assertEqual(len(fixed["warnings"]), 1, fixed["warnings"])
+                self.assertIn(f"fix '{aside}' not installed", fixed["warnings"][0])
+                self.assertIn(named, fixed["warnings"][0])
+                self.assertEqual(fixed["active"], {aside: False, works: True})
+                self.assertEqual(fixed["plain"], plain["plain"])  # checkpoint without FSDP: plain torch's
+
 # FSDP2 cannot be imported (a build or release without it), or its package has no fully_shard.
 NO_FSDP2 = {
     "not importable": "sys.modules['torch.distributed.fsdp'] = None",

@@ -49,6 +49,18 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("module_state_mapping", "torch.distributed._composable_state", "_module_state_mapping"),
 )
 
+# The symbols above that each fix needs: one missing sets aside only the fixes that need it.
+FIX_SYMBOLS: dict[str, frozenset[str]] = {
+    "dtype": frozenset({
+        "FSDPParamGroup", "FSDPParam", "fsdp_param_group_module", "FSDPState", "MixedPrecisionPolicy",
+        "module_state_mapping",
+    }),
+    "recompute": frozenset({
+        "FSDPState", "TrainingState", "cast_fp_tensor", "MixedPrecisionPolicy", "apply_to_tensors", "to_kwargs",
+        "checkpoint_hook", "recomputation_hook", "CheckpointFrame", "module_state_mapping",
+    }),
+}
+
 # Methods that the fixes wrap, by the name used above.
 WRAPPED_METHODS: tuple[tuple[str, str], ...] = (
     ("FSDPParamGroup", "__init__"),
@@ -86,10 +98,21 @@ class TorchInternals:
     fsdp_package: str | None = None
     symbols: dict[str, Any] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
+    missing_owners: list[str] = field(default_factory=list)  # per ``missing`` entry: the symbol it belongs to
 
     @property
     def ok(self) -> bool:
         return not self.missing
+
+    def note_missing(self, what: str, owner: str) -> None:
+        self.missing.append(what)
+        self.missing_owners.append(owner)
+
+    def missing_for(self, fix: str) -> list[str]:
+        """What ``fix`` needs and this torch lacks (everything when there is no FSDP2 package)."""
+        if self.fsdp_package is None:
+            return list(self.missing)
+        return [what for what, owner in zip(self.missing, self.missing_owners) if owner in FIX_SYMBOLS[fix]]
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -115,22 +138,22 @@ def load_internals() -> TorchInternals:
         internals.fsdp_package = package
         break
     if internals.fsdp_package is None:
-        internals.missing.append("FSDP2 (fully_shard) package: " + " or ".join(FSDP2_PACKAGES))
+        internals.note_missing("FSDP2 (fully_shard) package: " + " or ".join(FSDP2_PACKAGES), "*")
         return internals
     for name, module_name, attr in PRIVATE_SYMBOLS:
         try:
             internals.symbols[name] = _resolve(internals.fsdp_package, module_name, attr)
         except Exception:  # noqa: BLE001
-            internals.missing.append(f"{module_name.lstrip('.')}.{attr}")
+            internals.note_missing(f"{module_name.lstrip('.')}.{attr}", name)
     for owner, method in WRAPPED_METHODS:
         cls = internals.symbols.get(owner)
         if cls is not None and not callable(getattr(cls, method, None)):
-            internals.missing.append(f"{cls.__name__}.{method}")
+            internals.note_missing(f"{cls.__name__}.{method}", owner)
     if "FSDPParamGroup" in internals.symbols:
         params = inspect.signature(internals.FSDPParamGroup.__init__).parameters
         for argument in ("params", "mp_policy", "modules"):
             if argument not in params:
-                internals.missing.append(f"FSDPParamGroup.__init__ argument {argument!r}")
+                internals.note_missing(f"FSDPParamGroup.__init__ argument {argument!r}", "FSDPParamGroup")
     return internals
 
 

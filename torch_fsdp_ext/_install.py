@@ -122,11 +122,22 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = 
         if dtype_strategy is not None:
             _set_dtype_strategy(dtype_strategy)
         internals = _compat.load_internals()
-        if not internals.ok:
+        if internals.fsdp_package is None:
             _warn_unsupported(internals)
             return []
         for name in names:
             if name in _active:
+                continue
+            lacking = internals.missing_for(name)
+            if lacking:
+                # This fix alone stands aside: the others install as they would.
+                if name not in _warned_stands_aside:
+                    _warned_stands_aside.add(name)
+                    warnings.warn(
+                        f"torch_fsdp_ext: fix {name!r} not installed: torch {torch.__version__} lacks "
+                        f"{'; '.join(lacking)}; torch behaves as without this fix.",
+                        RuntimeWarning, stacklevel=2,
+                    )
                 continue
             fix = _make_fix(name, internals, _dtype_strategy)
             needed, reason = fix.needed()
@@ -188,10 +199,11 @@ def status() -> Status:
     report = Status(torch.__version__, internals.ok, list(internals.missing), {})
     for name in FIX_NAMES:
         fix, patches = _active.get(name, (None, None))
-        if fix is None and internals.ok:
+        lacking = internals.missing_for(name)
+        if fix is None and not lacking:
             fix = _make_fix(name, internals, _dtype_strategy)
         if fix is None:
-            report.fixes[name] = FixStatus(name, "", None, "unsupported torch: " + "; ".join(internals.missing), False)
+            report.fixes[name] = FixStatus(name, "", None, "unsupported torch: " + "; ".join(lacking), False)
             continue
         needed, reason = fix.needed()
         details: dict[str, Any] = {}

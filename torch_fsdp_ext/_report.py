@@ -39,7 +39,13 @@ NEEDED_LEGEND = "needed: yes = this torch has the failure; partly = torch repair
 def status_text(report: Any) -> str:
     lines = [f"torch_fsdp_ext on torch {report.torch_version}"]
     if not report.supported:
-        lines.append("unsupported torch, nothing patched: " + "; ".join(report.missing))
+        unsupported = [fix.name for fix in report.fixes.values() if fix.needed is None and fix.reason.startswith(
+            "unsupported torch")]
+        if len(unsupported) == len(report.fixes):
+            lines.append("unsupported torch, nothing patched: " + "; ".join(report.missing))
+        else:
+            lines.append(f"torch internals missing: {'; '.join(report.missing)}; fix(es) {', '.join(unsupported)} "
+                         "stand aside, the others work")
     rows = [["fix", "needed", "active", "strategy", "wrapped torch methods"]]
     for fix in report.fixes.values():
         rows.append(

@@ -91,12 +91,31 @@ def no_decorator_cell() -> None:
         setattr(_fsdp_state.FSDPState, name, getattr(method, "__wrapped__", method))
 
 
+def init_mp_dtypes_renamed() -> None:
+    """The dtype fix's symbol only: ``FSDPParamGroup._init_mp_dtypes`` under another name."""
+    package = sys.modules["torch.distributed.fsdp._fully_shard"]
+    modules = [m for name, m in sys.modules.items() if name.startswith(package.__name__ + ".")]
+    rename_attribute(modules, "_init_mp_dtypes", "_init_mixed_precision_dtypes")
+    group = sys.modules[package.__name__ + "._fsdp_param_group"].FSDPParamGroup
+    group._init_mixed_precision_dtypes = group.__dict__["_init_mp_dtypes"]
+    del group._init_mp_dtypes
+
+
+def recomputation_hook_renamed() -> None:
+    """The recompute fix's symbol only: ``torch.utils.checkpoint._recomputation_hook`` under another name."""
+    rename_attribute([checkpoint_module], "_recomputation_hook", "_recompute_hook")
+    checkpoint_module._recompute_hook = checkpoint_module._recomputation_hook
+    del checkpoint_module._recomputation_hook
+
+
 SIMULATIONS = {
     "none": lambda: None,
     "recompute_fn_renamed": recompute_fn_renamed,
     "recomputation_hook_takes_frame": recomputation_hook_takes_frame,
     "iter_forward_root_renamed": iter_forward_root_renamed,
     "no_decorator_cell": no_decorator_cell,
+    "init_mp_dtypes_renamed": init_mp_dtypes_renamed,
+    "recomputation_hook_renamed": recomputation_hook_renamed,
 }
 
 
