@@ -135,5 +135,36 @@ class TestWithoutFSDP2(unittest.TestCase):
                 else:  # the internals the fixes patch are still there: they install, with no warning
                     self.assertEqual(outcome["warnings"], [])
 
+
+UNDECIDABLE_DTYPE_CHECK = """
+import json, warnings
+import torch_fsdp_ext
+from torch_fsdp_ext import _compat
+_compat.probe_rejects_mixed_trainable_dtypes = lambda: None  # _init_mp_dtypes ran but told nothing
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    torch_fsdp_ext.install()
+    torch_fsdp_ext.install()
+dtype = torch_fsdp_ext.status().fixes["dtype"]
+print(json.dumps({
+    "warnings": [str(w.message) for w in caught if "torch_fsdp_ext" in str(w.message)],
+    "needed": dtype.needed, "active": dtype.active, "reason": dtype.reason,
+}))
+"""
+
+
+class TestUndecidableDtypeCheck(unittest.TestCase):
+    def test_the_dtype_fix_stands_aside_instead_of_upcasting_on_a_guess(self) -> None:
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   TORCH_FSDP_EXT_DISABLE="1")
+        result = subprocess.run([sys.executable, "-c", UNDECIDABLE_DTYPE_CHECK], capture_output=True, text=True,
+                                env=env, timeout=120, cwd=ROOT)
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        outcome = json.loads(result.stdout.strip().splitlines()[-1])
+        self.assertEqual((outcome["needed"], outcome["active"]), (None, False))
+        self.assertIn("nothing is upcast", outcome["reason"])
+        self.assertEqual(len(outcome["warnings"]), 1, outcome["warnings"])
+        self.assertIn("fix 'dtype' not installed", outcome["warnings"][0])
+
 if __name__ == "__main__":
     unittest.main()

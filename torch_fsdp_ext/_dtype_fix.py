@@ -114,7 +114,12 @@ class DtypeFix:
         if rejects is False:
             return False, "this torch accepts mixed trainable dtypes in one group"
         if rejects is None:
-            return True, "could not probe _init_mp_dtypes; assuming the uniform-dtype check is there"
+            # Note: not assumed to be there: upstream may have fixed it in a way the probe cannot
+            # run, and upcasting behind the user's back would change training. torch's own
+            # check, if it is still there, stays loud.
+            return None, ("cannot tell whether this torch still rejects mixed trainable dtypes (its _init_mp_dtypes "
+                          "did not run on the probe's stand-in group); nothing is upcast, and torch's own check "
+                          "applies")
         return True, "_init_mp_dtypes asserts one dtype for all trainable params of a group"
 
     def wrapped_symbols(self) -> list[str]:
