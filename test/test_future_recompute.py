@@ -25,8 +25,8 @@ STANDS_ASIDE = {
 WORKS = ("no_decorator_cell",)  # the fix is installed and replays as on torch unchanged
 
 
-def simulate(case: str, *flags: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def simulate(case: str, *flags: str, env: dict | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
     env.pop("TORCH_FSDP_EXT_DISABLE", None)
     result = subprocess.run(
         [sys.executable, SCRIPT, case, *flags], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT
@@ -80,6 +80,24 @@ class TestSimulatedReleases(unittest.TestCase):
                 self.assertIn(named, fixed["warnings"][0])
                 self.assertEqual(fixed["active"], {aside: False, works: True})
                 self.assertEqual(fixed["plain"], plain["plain"])  # checkpoint without FSDP: plain torch's
+
+    def test_uniform_check_moved_into_the_group_lazy_init(self) -> None:
+        # _init_mp_dtypes accepts the mixed model, FSDPParamGroup.lazy_init asserts: torch still rejects it.
+        case = "uniform_check_in_lazy_init"
+        plain = simulate(case, "--mixed")
+        self.assertIn("uniform original parameter dtype", plain["error"])  # the simulated torch rejects it
+        reference, fixed = simulate("none", "--plugin", "--mixed"), simulate(case, "--plugin", "--mixed")
+        self.assertNotIn("error", fixed)
+        self.assertEqual(fixed["warnings"], [])
+        self.assertEqual(fixed["active"], {"dtype": True, "recompute": True})
+        self.assertIn("FSDPParamGroup.lazy_init asserts one dtype", fixed["dtype_reason"])  # not "fixed upstream"
+        self.assertEqual(fixed["fsdp"], reference["fsdp"])  # upcast: bit for bit as on torch unchanged
+        preserved = simulate(case, "--plugin", "--mixed", env={"TORCH_FSDP_EXT_DTYPE_STRATEGY": "preserve"})
+        self.assertIn("MixedParamDtypeError", preserved["error"])  # refused by the plugin, not torch's assertion
+        self.assertIn("FSDPParamGroup.lazy_init", preserved["error"])
+        self.assertIn("'blocks.0'", preserved["error"])
+        self.assertIn("blocks.0.lin2.weight: bfloat16", preserved["error"])
+
 
 # FSDP2 cannot be imported (a build or release without it), or its package has no fully_shard.
 NO_FSDP2 = {
@@ -165,6 +183,25 @@ class TestUndecidableDtypeCheck(unittest.TestCase):
         self.assertIn("nothing is upcast", outcome["reason"])
         self.assertEqual(len(outcome["warnings"]), 1, outcome["warnings"])
         self.assertIn("fix 'dtype' not installed", outcome["warnings"][0])
+
+    def test_the_probe_runs_the_real_group_lazy_init(self) -> None:
+        # What lets the probe see a check moved into lazy_init: on this release the real
+        # FSDPParamGroup.lazy_init runs to its end on the probe's group, and fails only on mixed dtypes.
+        import torch
+        from common import plugin
+
+        from torch_fsdp_ext import _compat
+
+        internals = _compat.load_internals()
+
+        def lazy_init_rejects(*dtypes: torch.dtype) -> bool | None:
+            group = _compat._lazy_init_probe_group(internals, [_compat._ProbeParam(d, True) for d in dtypes])
+            return _compat._rejects(lambda: internals.FSDPParamGroup.lazy_init(group))
+
+        with plugin(False):  # torch's own lazy init, as the probe sees it before installing
+            self.assertIs(lazy_init_rejects(torch.float32, torch.float32), False)
+            self.assertIs(lazy_init_rejects(torch.bfloat16, torch.float32), True)  # inside its _init_mp_dtypes here
+        self.assertEqual(_compat.probe_uniform_dtype_check(), "_init_mp_dtypes")
 
 if __name__ == "__main__":
     unittest.main()

@@ -382,6 +382,11 @@ def group_name(group: Any) -> str:
     return getattr(group, "_module_fqn", None) or "<root>"
 
 
+def group_modules(group: Any) -> tuple:
+    """The modules a param group was built for (the ``fully_shard`` call's modules)."""
+    return tuple(getattr(group, "modules", ()))
+
+
 def group_process_group(group: Any) -> Any:
     """The process group the param group all-gathers over (its shard group)."""
     return group._all_gather_process_group
@@ -784,11 +789,13 @@ any_autocast_enabled: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_e
 
 
 class _ProbeParam:
-    """Duck-typed ``FSDPParam`` with just what ``_init_mp_dtypes`` reads."""
+    """Duck-typed ``FSDPParam`` with just what ``_init_mp_dtypes`` and a group's lazy init read."""
 
     def __init__(self, dtype: torch.dtype, requires_grad: bool) -> None:
-        self.sharded_param = types.SimpleNamespace(dtype=dtype, requires_grad=requires_grad)
+        self.sharded_param = types.SimpleNamespace(dtype=dtype, requires_grad=requires_grad, device=torch.device("cpu"))
         self.mp_policy = None
+        self.unsharded_grad_dtype = self.sharded_grad_dtype = None  # 2.15: no grad_dtype set
+        self._param_fqn = f"probe.{dtype}"
 
     def init_dtype_attrs(self, mp_policy: Any) -> None:
         self.orig_dtype = self.sharded_param.dtype
@@ -796,14 +803,10 @@ class _ProbeParam:
         self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
 
 
-def _run_dtype_check(params: list[_ProbeParam]) -> bool | None:
-    """True if ``_init_mp_dtypes`` rejects this layout, False if it accepts it."""
-    internals = load_internals()
-    group = types.SimpleNamespace(
-        fsdp_params=params, mp_policy=internals.MixedPrecisionPolicy(), _orig_dtype=None, _reduce_dtype=None
-    )
+def _rejects(run: Callable[[], Any]) -> bool | None:
+    """True if ``run`` fails torch's uniform-dtype assertion, False if it completes, None otherwise."""
     try:
-        internals.FSDPParamGroup._init_mp_dtypes(group)
+        run()
     except AssertionError as e:
         return "uniform original parameter dtype" in str(e) or None
     except Exception:  # noqa: BLE001 - internals we do not understand
@@ -811,10 +814,63 @@ def _run_dtype_check(params: list[_ProbeParam]) -> bool | None:
     return False
 
 
+def _probe_group(internals: TorchInternals, params: list[_ProbeParam]) -> Any:
+    return types.SimpleNamespace(
+        fsdp_params=params, mp_policy=internals.MixedPrecisionPolicy(), _orig_dtype=None, _reduce_dtype=None
+    )
+
+
+def _lazy_init_probe_group(internals: TorchInternals, params: list[_ProbeParam]) -> Any:
+    """A real ``FSDPParamGroup`` of no parameters, from its own ``__init__``, then given ``params``:
+    its lazy init finds them already reset and its state-dict hooks in place."""
+    init = inspect.unwrap(internals.FSDPParamGroup.__init__)
+    known = {
+        "params": [], "modules": (), "device": torch.device("cpu"), "mp_policy": internals.MixedPrecisionPolicy(),
+    }
+    names = [name for name in inspect.signature(init).parameters if name != "self"]
+    group = object.__new__(internals.FSDPParamGroup)
+    init(group, **{name: known.get(name) for name in names})
+    hooked = {torch.nn.Identity(): None}
+    group.__dict__.update(
+        fsdp_params=params, _reset_sharded_params=True, _module_to_pre_save_state_dict_hook_handle=hooked,
+        _module_to_pre_load_state_dict_hook_handle=dict(hooked),
+    )
+    return group
+
+
+def _run_dtype_check(params: list[_ProbeParam]) -> bool | None:
+    """True if ``_init_mp_dtypes`` rejects this layout, False if it accepts it."""
+    internals = load_internals()
+    return _rejects(lambda: internals.FSDPParamGroup._init_mp_dtypes(_probe_group(internals, params)))
+
+
+@functools.lru_cache(maxsize=None)
+def probe_uniform_dtype_check() -> str | None:
+    """Where this release rejects bf16 + fp32 trainable params of one group: ``"_init_mp_dtypes"``,
+    ``"lazy_init"`` (elsewhere in ``FSDPParamGroup.lazy_init``) or ``"nowhere"``; None when it cannot tell."""
+    # Note: ``_init_mp_dtypes`` alone is not enough: a release that moved the check into the group's
+    # lazy init would pass it, and the plugin would say "fixed upstream" while torch still refuses.
+    internals = load_internals()
+    layout = [_ProbeParam(torch.bfloat16, True), _ProbeParam(torch.float32, True)]
+    in_init = _run_dtype_check(layout)
+    if in_init:
+        return "_init_mp_dtypes"
+    try:
+        group = _lazy_init_probe_group(internals, layout)
+    except Exception:  # noqa: BLE001 - an __init__ we do not understand
+        group = None
+    in_lazy_init = None if group is None else _rejects(lambda: internals.FSDPParamGroup.lazy_init(group))
+    if in_lazy_init:
+        return "lazy_init"
+    if in_init is False and in_lazy_init is False:
+        return "nowhere"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def probe_rejects_mixed_trainable_dtypes() -> bool | None:
-    """Does this release's ``_init_mp_dtypes`` reject bf16 + fp32 trainable params?"""
-    return _run_dtype_check([_ProbeParam(torch.bfloat16, True), _ProbeParam(torch.float32, True)])
+    """Does this release reject bf16 + fp32 trainable params in one group (pytorch#156784)?"""
+    return {"_init_mp_dtypes": True, "lazy_init": True, "nowhere": False}.get(probe_uniform_dtype_check())
 
 
 @functools.lru_cache(maxsize=None)

@@ -67,7 +67,7 @@ from typing import Any, Callable
 import torch
 
 from . import _compat, _compute_dtype, _optimizer_state
-from ._dtype_plan import MixedParamDtypeError, ParamEntry, plan_group_dtypes
+from ._dtype_plan import MixedParamDtypeError, ParamEntry, describe_mixed_dtypes, plan_group_dtypes
 from ._dtype_strategies import make_strategy
 from ._patching import PatchSet, wraps
 from ._rank_consistency import RankConsistency
@@ -120,6 +120,9 @@ class DtypeFix:
             return None, ("cannot tell whether this torch still rejects mixed trainable dtypes (its _init_mp_dtypes "
                           "did not run on the probe's stand-in group); nothing is upcast, and torch's own check "
                           "applies")
+        if _compat.probe_uniform_dtype_check() == "lazy_init":
+            return True, ("FSDPParamGroup.lazy_init asserts one dtype for all trainable params of a group (outside "
+                          "_init_mp_dtypes); upcast still fixes it, preserve cannot")
         return True, "_init_mp_dtypes asserts one dtype for all trainable params of a group"
 
     def wrapped_symbols(self) -> list[str]:
@@ -209,6 +212,8 @@ class DtypeFix:
                 root = _compat.root_module_of(state)
                 if root is not None:
                     fix.upcast_model(root)
+                    if _compat.probe_uniform_dtype_check() == "lazy_init":
+                        _refuse_preserve_before_group_lazy_init(root)
             return original(state)
 
         return _lazy_init
@@ -278,12 +283,42 @@ def _prepare(group: Any, strategy: Any) -> bool:
     plan = plan_group_dtypes(params)
     if not plan.is_mixed:
         return False
-    if _compat.probe_dtype_check_counts_frozen() and strategy.name == "preserve":
-        raise MixedParamDtypeError(
-            "torch_fsdp_ext: dtype_strategy='preserve' is not supported on this torch: its _init_mp_dtypes "
-            "also counts frozen parameters. Use dtype_strategy='upcast'."
-        )
+    if strategy.name == "preserve":
+        _refuse_preserve_if_unsupported(repr(_compat.group_name(group)), plan)
     return strategy.at_lazy_init(group, plan, repr(_compat.group_name(group)))
+
+
+def _refuse_preserve_if_unsupported(group_name: str, plan: Any) -> None:
+    """``preserve`` keeps a group mixed through ``_init_mp_dtypes``; some releases check elsewhere too."""
+    if _compat.probe_dtype_check_counts_frozen():
+        why = "its _init_mp_dtypes also counts frozen parameters"
+    elif _compat.probe_uniform_dtype_check() == "lazy_init":
+        why = "it checks for one dtype in FSDPParamGroup.lazy_init, outside the _init_mp_dtypes that preserve patches"
+    else:
+        return
+    hint = f"dtype_strategy='preserve' is not supported on this torch: {why}. Use dtype_strategy='upcast'."
+    raise MixedParamDtypeError(describe_mixed_dtypes(group_name, plan, {}, hint))
+
+
+def _refuse_preserve_before_group_lazy_init(root: torch.nn.Module) -> None:
+    """Where torch's check runs in the group's lazy init, a mixed ``preserve`` group is refused
+    here, by this plugin and naming its parameters, before torch's assertion would."""
+    names = {id(param): fqn for fqn, param in root.named_parameters(remove_duplicate=False)}
+    module_names = {id(module): fqn or "<root>" for fqn, module in root.named_modules(remove_duplicate=False)}
+    for state in _compat.fsdp_states_under(root):
+        for group in _compat.param_groups_of(state):
+            decision = group.__dict__.get(_DECISION_ATTR)
+            if decision is None or decision.strategy.name != "preserve":
+                continue
+            modules = _compat.group_modules(group)
+            group_name = module_names.get(id(modules[0]), "<root>") if modules else "<root>"
+            params = [(p, _compat.current_module_param(p)) for p in group.fsdp_params]
+            plan = plan_group_dtypes([
+                ParamEntry(names.get(id(param)) or _compat.fsdp_param_name(p, i), param, p)
+                for i, (p, param) in enumerate(params)
+            ])
+            if plan.is_mixed:
+                _refuse_preserve_if_unsupported(repr(group_name), plan)
 
 
 def _init_mp_dtypes_trainable_only(original: Callable, group: Any) -> None:

@@ -1,7 +1,7 @@
 """Train under a simulated future torch release: torch's checkpoint or FSDP2 internals are changed
 *before* torch_fsdp_ext is imported, as a release that renamed or re-signatured them would be.
 
-    python test/scripts/simulated_release.py CASE [--plugin] [--bf16]
+    python test/scripts/simulated_release.py CASE [--plugin] [--bf16] [--mixed]
 
 CASE is one of ``SIMULATIONS`` (``none``: torch as installed). One process, world size 1 (gloo).
 Trains a model whose blocks run under non-reentrant ``checkpoint``, once without FSDP and once
@@ -108,6 +108,29 @@ def recomputation_hook_renamed() -> None:
     del checkpoint_module._recomputation_hook
 
 
+def uniform_check_in_lazy_init() -> None:
+    """torch's uniform-dtype assertion moved out of ``_init_mp_dtypes`` into ``FSDPParamGroup.lazy_init``."""
+    group_class = sys.modules["torch.distributed.fsdp._fully_shard._fsdp_param_group"].FSDPParamGroup
+    init_mp_dtypes, lazy_init = group_class.__dict__["_init_mp_dtypes"], group_class.__dict__["lazy_init"]
+
+    def trainable_dtypes(group) -> set:
+        return {p.sharded_param.dtype for p in group.fsdp_params if p.sharded_param.requires_grad}
+
+    def moved_init_mp_dtypes(self) -> None:
+        if len(trainable_dtypes(self)) > 1:  # no check here any more
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.init_dtype_attrs(self.mp_policy)
+            return
+        init_mp_dtypes(self)
+
+    def moved_lazy_init(self, *args, **kwargs):
+        if len(dtypes := trainable_dtypes(self)) > 1:
+            raise AssertionError(f"FSDP expects uniform original parameter dtype but got {dtypes}")
+        return lazy_init(self, *args, **kwargs)
+
+    group_class._init_mp_dtypes, group_class.lazy_init = moved_init_mp_dtypes, moved_lazy_init
+
+
 SIMULATIONS = {
     "none": lambda: None,
     "recompute_fn_renamed": recompute_fn_renamed,
@@ -116,6 +139,7 @@ SIMULATIONS = {
     "no_decorator_cell": no_decorator_cell,
     "init_mp_dtypes_renamed": init_mp_dtypes_renamed,
     "recomputation_hook_renamed": recomputation_hook_renamed,
+    "uniform_check_in_lazy_init": uniform_check_in_lazy_init,
 }
 
 
@@ -125,7 +149,8 @@ class Block(nn.Module):
         self.lin1, self.lin2, self.dropout = nn.Linear(8, 8), nn.Linear(8, 8), nn.Dropout(0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.lin2(self.dropout(torch.nn.functional.gelu(self.lin1(x))))
+        hidden = self.dropout(torch.nn.functional.gelu(self.lin1(x)))
+        return x + self.lin2(hidden.to(self.lin2.weight.dtype)).to(x.dtype)
 
 
 class Net(nn.Module):
@@ -139,9 +164,12 @@ class Net(nn.Module):
         return x
 
 
-def train(shard: bool, bf16: bool = False) -> dict:
+def train(shard: bool, bf16: bool = False, mixed: bool = False) -> dict:
     torch.manual_seed(0)
     model = Net()
+    if mixed:  # bf16 second linears beside fp32 first ones, in every group
+        for block in model.blocks:
+            block.lin2.to(torch.bfloat16)
     if shard:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
         for block in model.blocks:
@@ -164,6 +192,7 @@ def main() -> None:
     parser.add_argument("case", choices=SIMULATIONS)
     parser.add_argument("--plugin", action="store_true", help="import torch_fsdp_ext after the simulation")
     parser.add_argument("--bf16", action="store_true", help="FSDP computes in bf16 (the recompute fix's case)")
+    parser.add_argument("--mixed", action="store_true", help="bf16 and fp32 trainable parameters (the dtype fix's case)")
     args = parser.parse_args()
     SIMULATIONS[args.case]()
     result: dict = {"case": args.case}
@@ -176,14 +205,15 @@ def main() -> None:
         status = torch_fsdp_ext.status()
         result["active"] = {name: fix.active for name, fix in status.fixes.items()}
         result["recompute_needed"] = status.fixes["recompute"].needed
+        result["dtype_reason"] = status.fixes["dtype"].reason
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        result["plain"] = train(shard=False)
-        result["fsdp"] = train(shard=True, bf16=args.bf16)
+        result["plain"] = train(shard=False, mixed=args.mixed)
+        result["fsdp"] = train(shard=True, bf16=args.bf16, mixed=args.mixed)
     except Exception as e:  # noqa: BLE001 - the outcome is the result
         result["error"] = f"{type(e).__name__}: {e}"
     finally:
