@@ -99,6 +99,29 @@ class TestSimulatedReleases(unittest.TestCase):
         self.assertIn("blocks.0.lin2.weight: bfloat16", preserved["error"])
 
 
+    def test_an_upstream_fix_is_left_to_torch(self) -> None:
+        # _init_mp_dtypes without its assertion (rewritten from torch's own source): the plugin upcasts
+        # nothing and trains exactly as torch does (2.15: natively mixed; before: torch's own reduce error).
+        case = "uniform_check_removed"
+        plain, fixed = simulate(case, "--mixed"), simulate(case, "--plugin", "--mixed")
+        self.assertEqual(fixed["warnings"], [])
+        self.assertEqual(fixed["active"], {"dtype": False, "recompute": True})
+        self.assertEqual(fixed["dtype_reason"], "this torch accepts mixed trainable dtypes in one group")
+        self.assertEqual(fixed.get("fsdp"), plain.get("fsdp"))
+        self.assertEqual(fixed.get("error"), plain.get("error"))
+        self.assertNotIn("uniform original parameter dtype", plain.get("error", ""))
+
+    def test_group_init_without_argument_names(self) -> None:
+        # FSDPParamGroup.__init__(self, *args, **kwargs): the dtype fix cannot find the parameters it plans.
+        case = "group_init_args_hidden"
+        plain, fixed = simulate(case, "--mixed"), simulate(case, "--plugin", "--mixed")
+        self.assertEqual(len(fixed["warnings"]), 1, fixed["warnings"])
+        self.assertIn("fix 'dtype' not installed", fixed["warnings"][0])
+        self.assertIn("FSDPParamGroup.__init__ argument 'params'", fixed["warnings"][0])
+        self.assertEqual(fixed["active"], {"dtype": False, "recompute": True})
+        self.assertEqual(fixed["error"], plain["error"])  # torch's own assertion, as without the plugin
+
+
 # FSDP2 cannot be imported (a build or release without it), or its package has no fully_shard.
 NO_FSDP2 = {
     "not importable": "sys.modules['torch.distributed.fsdp'] = None",

@@ -10,10 +10,13 @@ gradient sums bit for bit (``float.hex``), the warnings torch_fsdp_ext issued, a
 """
 
 import argparse
+import ast
+import inspect
 import json
 import os
 import socket
 import sys
+import textwrap
 import types
 import warnings
 
@@ -131,6 +134,32 @@ def uniform_check_in_lazy_init() -> None:
     group_class._init_mp_dtypes, group_class.lazy_init = moved_init_mp_dtypes, moved_lazy_init
 
 
+def uniform_check_removed() -> None:
+    """Upstream fixed it: ``_init_mp_dtypes`` without its uniform original-dtype assertion, as torch wrote it."""
+    module = sys.modules["torch.distributed.fsdp._fully_shard._fsdp_param_group"]
+    source = textwrap.dedent(inspect.getsource(module.FSDPParamGroup._init_mp_dtypes))
+    tree = ast.parse(source)
+    removed = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "uniform original parameter dtype" in ast.unparse(node.body[0]):
+            node.test, removed = ast.copy_location(ast.Constant(False), node.test), removed + 1
+    assert removed == 1, "the simulation did not find the assertion"
+    namespace: dict = {}
+    exec(compile(tree, module.__file__, "exec"), vars(module), namespace)
+    module.FSDPParamGroup._init_mp_dtypes = namespace["_init_mp_dtypes"]
+
+
+def group_init_args_hidden() -> None:
+    """``FSDPParamGroup.__init__(self, *args, **kwargs)``: no argument names to bind by."""
+    group_class = sys.modules["torch.distributed.fsdp._fully_shard._fsdp_param_group"].FSDPParamGroup
+    init = group_class.__init__
+
+    def __init__(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+
+    group_class.__init__ = __init__
+
+
 SIMULATIONS = {
     "none": lambda: None,
     "recompute_fn_renamed": recompute_fn_renamed,
@@ -140,6 +169,8 @@ SIMULATIONS = {
     "init_mp_dtypes_renamed": init_mp_dtypes_renamed,
     "recomputation_hook_renamed": recomputation_hook_renamed,
     "uniform_check_in_lazy_init": uniform_check_in_lazy_init,
+    "uniform_check_removed": uniform_check_removed,
+    "group_init_args_hidden": group_init_args_hidden,
 }
 
 
