@@ -299,8 +299,9 @@ def half_initialised_roots() -> list[tuple[list[Any], list[str]]]:
     param groups (``FSDPParamGroup.lazy_init``) and never runs again, so after an
     error there (FSDP's uniform-dtype assertion) the groups stay without their
     mixed-precision attributes and the next forward or backward fails with an
-    ``AttributeError``. A finished group has ``_reduce_dtype``, set last by
-    ``_init_mp_dtypes`` on every release.
+    ``AttributeError``. A group past the assertion has ``_reduce_dtype``, which
+    ``_init_mp_dtypes`` sets right after it on every release; a later step of its
+    lazy init that fails (2.15 runs two more) is not seen here.
     """
     roots = []
     for state in fsdp_states():
