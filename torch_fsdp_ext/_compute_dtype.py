@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-from . import _compat, _env
+from . import _compat, _env, _mixed_groups
 from ._dtype_plan import format_dtype, param_names
 
 ENV_VAR = "TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE"
@@ -369,14 +369,14 @@ def at_lazy_init(group: Any) -> None:
         return  # 2.15 reduces mixed gradient dtypes itself
     trainable = [p for p in group.fsdp_params if _compat.fsdp_param_is_trainable(p)]
     compute = {p: p.param_dtype or p.orig_dtype for p in trainable}
-    if len(set(compute.values())) < 2 or _compat.is_mixed_group(group):
+    if len(set(compute.values())) < 2 or _mixed_groups.is_mixed_group(group):
         return  # one gradient dtype, or a preserve group already reduced in its widest dtype
     # Note: with reduce_dtype=None a release before 2.15 reduces each gradient in the
     # dtype it was computed in; one reduce in the widest dtype, with each gradient
     # rounded to its compute dtype, gives the same for the parameters the override
     # leaves alone as without it.
     reduce_dtype = group.mp_policy.reduce_dtype
-    _compat.mark_mixed_compute_group(group, reduce_dtype, {} if reduce_dtype is not None else compute)
+    _mixed_groups.mark_mixed_compute_group(group, reduce_dtype, {} if reduce_dtype is not None else compute)
 
 
 def _check_one_cast_dtype(group: Any) -> None:

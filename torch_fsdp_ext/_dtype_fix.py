@@ -17,7 +17,7 @@ on the parameters as loaded (``_compute_dtype.py``) and registers the state-dict
 the upcast moment; it casts nothing.
 
 A group that stays mixed (``preserve``) passes FSDP's check through
-``_compat.init_mp_dtypes_of_mixed_group``; on releases whose reduce-scatter casts
+``_mixed_groups.init_mp_dtypes_of_mixed_group``; on releases whose reduce-scatter casts
 the whole output to one dtype, ``_compat`` also wraps that path so that each
 parameter receives its gradient in its own dtype.
 
@@ -66,7 +66,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _compat, _compute_dtype, _optimizer_state
+from . import _compat, _compute_dtype, _mixed_groups, _optimizer_state
 from ._dtype_plan import MixedParamDtypeError, ParamEntry, describe_mixed_dtypes, plan_group_dtypes
 from ._dtype_strategies import make_strategy
 from ._patching import PatchSet, wraps
@@ -372,7 +372,7 @@ class GroupKeeper:
             if self.reduce_patches is None and not _compat.probe_reduce_casts_grads_per_param():
                 patches = PatchSet()
                 try:
-                    _compat.wrap_reduce_for_mixed_groups(patches)
+                    _mixed_groups.wrap_reduce_for_mixed_groups(patches)
                 except Exception:
                     patches.restore()
                     raise
@@ -417,15 +417,15 @@ class GroupKeeper:
             if fix is not None:
                 fix.ranks.note_layout(group)
             if decision.stays_mixed:
-                _compat.init_mp_dtypes_of_mixed_group(original, group)
+                _mixed_groups.init_mp_dtypes_of_mixed_group(original, group)
             else:
-                _compat.forget_mixed_group(group)
+                _mixed_groups.forget_mixed_group(group)
                 if _compat.probe_dtype_check_counts_frozen():
                     _init_mp_dtypes_trainable_only(original, group)
                 else:
                     original(group)
             _compute_dtype.at_lazy_init(group)
-            if decision.stays_mixed or _compat.is_mixed_group(group):  # preserve, or several compute dtypes
+            if decision.stays_mixed or _mixed_groups.is_mixed_group(group):  # preserve, or several compute dtypes
                 keeper.keep(group)
 
         return _init_mp_dtypes

@@ -19,6 +19,7 @@ import logging
 import threading
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from . import _compat, _compute_dtype, _loaded_dtypes, _optimizer_state
@@ -123,6 +124,32 @@ class UpcastStrategy:
         return {id(p): f"must not be cast: {why}" for p, why in plan.keep_dtype if p.tensor.dtype != plan.widest}
 
 
+def change_sharded_param_dtype(fsdp_param: Any, dtype: torch.dtype) -> None:
+    """Cast an already-sharded FSDP2 parameter to ``dtype`` in place.
+
+    The ``nn.Parameter`` object keeps its identity (``swap_tensors``), so an
+    optimizer that already holds it keeps stepping the parameter the model uses.
+    ``reset_sharded_param`` then re-pads the new local shard and re-pins it when
+    CPU offload asks for pinned memory.
+    """
+    from torch.distributed.tensor import DTensor
+
+    param = fsdp_param.sharded_param
+    replacement = torch.nn.Parameter(
+        DTensor.from_local(
+            _compat.local_tensor_of(param).to(dtype),
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        ),
+        requires_grad=param.requires_grad,
+    )
+    torch.utils.swap_tensors(param, replacement)
+    fsdp_param.reset_sharded_param()
+
+
 def upcast_param(group: Any, fsdp_param: Any, dtype: Any) -> None:
     """One sharded parameter becomes a ``dtype`` master weight that computes as it did before.
 
@@ -135,7 +162,7 @@ def upcast_param(group: Any, fsdp_param: Any, dtype: Any) -> None:
     _compat.sync_sharded_param(fsdp_param)
     loaded = fsdp_param.sharded_param.dtype
     _loaded_dtypes.remember_loaded_dtype(fsdp_param, loaded)
-    _compat.change_sharded_param_dtype(fsdp_param, dtype)
+    change_sharded_param_dtype(fsdp_param, dtype)
     if _compute_dtype.compute_dtype_of(fsdp_param) is None and _compat.param_mp_policy(group, fsdp_param).param_dtype is None:
         _compute_dtype.compute_in(group, fsdp_param, loaded)
     _optimizer_state.remember_upcast(fsdp_param, loaded)
