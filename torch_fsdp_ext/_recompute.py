@@ -35,14 +35,11 @@ state it began with, as checkpoint's ``fork_rng`` does for the devices it knows
 (``RecomputeReplay.replay_device_rng``). A checkpoint with
 ``preserve_rng_state=False`` restores no RNG state anywhere; the replay leaves
 that device's alone too, as checkpoint would with the inputs moved beforehand.
-
-Note: exception safety. Checkpoint's early stop ends a recomputation by raising
-inside a module's forward, so the matching post-forward never runs. Whatever a
-replay entered is undone when the recomputation hook exits.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable
 
@@ -50,9 +47,10 @@ import torch
 
 from . import _compat
 from ._patching import PatchSet, wraps
-from ._recompute_records import PLAIN_FORWARD, RECORDS_ATTR, ForwardContext, attach_records, capture_autocast, find_records
-from ._recompute_replay import RecomputeFrame, Replay, autocast_device_types, autocast_off, unwind
-from ._recompute_switch import ActiveFrames, HookSwitch, remove_entry
+from ._recompute_records import PLAIN_FORWARD, ForwardContext, attach_records, capture_autocast, find_records
+from ._recompute_records import wrap_forward_enter
+from ._recompute_replay import RecomputeFrame, Replay, autocast_off, wrap_exit, wrap_recompute_enter
+from ._recompute_switch import ActiveFrames, HookSwitch
 
 
 class RecomputeReplay:
@@ -115,12 +113,14 @@ class RecomputeReplay:
 
     def install(self, patches: PatchSet) -> None:
         internals = self.internals
+        # Each wrapper is made for this fix (its first argument) and binds this fix's frames and switch then.
+        exit_wrapper = functools.partial(wrap_exit, self)
         patches.wrap(internals.checkpoint_hook, "__init__", attach_records)
         patches.wrap(internals.recomputation_hook, "__init__", find_records)
-        patches.wrap(internals.checkpoint_hook, "__enter__", self._wrap_forward_enter)
-        patches.wrap(internals.recomputation_hook, "__enter__", self._wrap_recompute_enter)
-        patches.wrap(internals.checkpoint_hook, "__exit__", self._wrap_exit)
-        patches.wrap(internals.recomputation_hook, "__exit__", self._wrap_exit)
+        patches.wrap(internals.checkpoint_hook, "__enter__", functools.partial(wrap_forward_enter, self))
+        patches.wrap(internals.recomputation_hook, "__enter__", functools.partial(wrap_recompute_enter, self))
+        patches.wrap(internals.checkpoint_hook, "__exit__", exit_wrapper)
+        patches.wrap(internals.recomputation_hook, "__exit__", exit_wrapper)
         pre, post = internals.FSDPState.__dict__["_pre_forward"], internals.FSDPState.__dict__["_post_forward"]
         pre_cell, post_cell = _compat.switchable_method_cell(pre), _compat.switchable_method_cell(post)
         if pre_cell is not None and post_cell is not None:
@@ -159,92 +159,6 @@ class RecomputeReplay:
                 method = pre if kind == "pre" else post
                 if hooks[hook_id].__func__ is not method:
                     patches.rebind_hook(hooks, hook_id, method.__get__(obj))
-
-    # -- checkpoint frames -----------------------------------------------------
-
-    def _wrap_forward_enter(self, original: Callable) -> Callable:
-        frames, lock, frames_anywhere, cells = self.frames, self.switch.lock, self.switch.frames_anywhere, self.switch.cells
-        fix = self
-
-        @wraps(original)
-        def __enter__(hook: Any) -> Any:
-            result = original(hook)
-            records = getattr(hook, RECORDS_ATTR, None)  # set by attach_records
-            if records is not None and fix.active:
-                frames.stack.append(records)
-                with lock:  # HookSwitch.push
-                    frames_anywhere.append(None)
-                    if len(frames_anywhere) == 1:
-                        for cell, _, wrapper in cells:
-                            cell.cell_contents = wrapper
-            return result
-
-        return __enter__
-
-    def _wrap_recompute_enter(self, original: Callable) -> Callable:
-        frames, switch = self.frames, self.switch
-        fix = self
-        device_types = autocast_device_types()
-        # Checkpoint restores the forward's CPU autocast itself, so an autocast the backward runs
-        # under can only leak into a recomputation through an accelerator's device type.
-        ambient_autocast_can_leak = len(device_types) > 1
-        replays_casts = not (self.upstream_casts_inputs and self.upstream_casts_outputs)
-
-        @wraps(original)
-        def __enter__(hook: Any) -> Any:
-            result = original(hook)
-            records = getattr(hook, RECORDS_ATTR, None)  # set by find_records
-            # No record: no FSDP module ran forward in this region (nor in checkpoints nested in it), so
-            # none runs in its recomputation either; e.g. checkpoint_wrapper applied inside an FSDP unit.
-            if records is None or not records.contexts or not fix.active:
-                return result
-            replays_autocast = records.any_autocast or (ambient_autocast_can_leak and _compat.any_autocast_enabled())
-            # Note: nothing to replay (plain forwards, casts done by torch, no autocast to restore) and no
-            # region around this one to record into: the recomputation is left to torch alone, so that the
-            # FSDP hooks inside it take their fast path.
-            if not (replays_casts or replays_autocast or records.any_replay or frames.stack):
-                return result
-            entry = RecomputeFrame(hook, records, frames.recompute)
-            if replays_autocast:
-                entry.autocast_on_entry = {
-                    d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types
-                }
-            entry.replays_every_forward = entry.autocast_on_entry is not None or replays_casts
-            if records.input_move_devices and _compat.checkpoint_preserves_rng_state(records.recompute_fn):
-                entry.device_rng_on_entry = {d: _compat.device_rng_state(d) for d in records.input_move_devices}
-            frames.recompute = entry
-            frames.stack.append(entry)
-            switch.push()
-            return result
-
-        return __enter__
-
-    def _wrap_exit(self, original: Callable) -> Callable:
-        frames, lock, frames_anywhere, cells = self.frames, self.switch.lock, self.switch.frames_anywhere, self.switch.cells
-
-        @wraps(original)
-        def __exit__(hook: Any, exc_type: Any, exc_value: Any, traceback: Any) -> Any:
-            stack = frames.stack if frames_anywhere else None
-            if stack:
-                entry = stack.pop() if stack[-1].hook is hook else remove_entry(stack, hook)
-                if entry is not None:
-                    with lock:
-                        frames_anywhere.pop()
-                        if not frames_anywhere:
-                            for cell, original_method, _ in cells:
-                                cell.cell_contents = original_method
-                if type(entry) is RecomputeFrame:
-                    frames.recompute = entry.outer
-                    if entry.open:
-                        unwind(entry)
-                    if entry.device_rng_on_entry is not None:
-                        # As fork_rng ends checkpoint's recomputation for the devices it knows.
-                        for device, rng_state in entry.device_rng_on_entry.items():
-                            if rng_state is not None:
-                                _compat.set_device_rng_state(device, rng_state)
-            return original(hook, exc_type, exc_value, traceback)
-
-        return __exit__
 
     # -- FSDP pre/post-forward -------------------------------------------------
 

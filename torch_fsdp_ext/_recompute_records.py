@@ -1,5 +1,6 @@
 """Records of a checkpointed region's forward: what its FSDP pre-forwards ran under, kept on the
-region's ``_CheckpointFrame`` for the recompute replay (``_recompute.RecomputeReplay``).
+region's ``_CheckpointFrame`` for the recompute replay (``_recompute_replay``), and the checkpoint
+hook wrappers that start them.
 
 Note: how the replay is paired with the forward. While a checkpointed region runs
 forward, each FSDP pre-forward stashes a small ``ForwardContext`` (no tensors) on
@@ -19,11 +20,14 @@ of the input cast does.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 
 from ._patching import wraps
+
+if TYPE_CHECKING:
+    from ._recompute import RecomputeReplay
 
 
 class ForwardContext(NamedTuple):
@@ -95,3 +99,24 @@ def find_records(original: Callable) -> Callable:
             pass
 
     return __init__
+
+
+def wrap_forward_enter(fix: RecomputeReplay, original: Callable) -> Callable:
+    """``_checkpoint_hook.__enter__``: the region's forward starts; its records go on the thread's frame stack."""
+    frames, lock, frames_anywhere, cells = fix.frames, fix.switch.lock, fix.switch.frames_anywhere, fix.switch.cells
+
+    @wraps(original)
+    def __enter__(hook: Any) -> Any:
+        result = original(hook)
+        records = getattr(hook, RECORDS_ATTR, None)  # set by attach_records
+        if records is not None and fix.active:
+            frames.stack.append(records)
+            with lock:  # HookSwitch.push
+                frames_anywhere.append(None)
+                if len(frames_anywhere) == 1:
+                    for cell, _, wrapper in cells:
+                        cell.cell_contents = wrapper
+        return result
+
+    return __enter__
+
