@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 
+from . import _compat
 from ._patching import wraps
 
 if TYPE_CHECKING:
     from ._recompute import RecomputeReplay
+    from ._recompute_replay import RecomputeFrame
 
 
 class ForwardContext(NamedTuple):
@@ -120,3 +122,29 @@ def wrap_forward_enter(fix: RecomputeReplay, original: Callable) -> Callable:
 
     return __enter__
 
+
+def record_input_move(
+    stack: list, recompute: RecomputeFrame | None, context: ForwardContext, device: torch.device, inputs: tuple,
+    upstream_moves_inputs: bool,
+) -> ForwardContext:
+    """The context of a forward that moved the iteration's ``inputs`` onto ``device`` inside checkpointed regions.
+
+    A move that changed nothing (inputs already on the device) is not recorded: its replay would not either.
+
+    Note: the replay of this move must also replay ``device``'s RNG state.
+    Checkpoint restores RNG state only for the devices of its positional
+    tensor arguments; with CPU arguments that FSDP moves it restores none
+    for ``device``, and a recomputation would draw other random numbers
+    there (other dropout masks) than the forward did.
+    """
+    if not _compat.has_tensors_off(device, inputs):
+        return context
+    if upstream_moves_inputs or stack[-1] is recompute:  # the latter: recorded in no region
+        return context._replace(moved_to=device)
+    for entry in reversed(stack):
+        if entry is recompute:
+            break
+        records = entry
+        if device not in records.input_move_devices:
+            records.input_move_devices += (device,)
+    return context._replace(moved_to=device, device_rng_state=_compat.device_rng_state(device))
