@@ -34,8 +34,7 @@ import torch.nn as nn
 from torch.testing._internal.common_utils import run_tests
 from torch.utils.checkpoint import checkpoint
 
-import torch_fsdp_ext
-from torch_fsdp_ext import _compat
+from torch_fsdp_ext import _compat, _recompute_replay
 
 from common import FSDPExtTestCase, error_text, full_grads, fully_shard, plugin, plugin_specific
 
@@ -186,8 +185,7 @@ class TestRootInputMoveRNG(RecomputeRNGTestCase):
             unfixed = self.step(checkpointed_root)
         with plugin(True):
             fixed = self.step(checkpointed_root)
-            fix = torch_fsdp_ext._install._active["recompute"][0]
-            with mock.patch.object(fix, "replay_device_rng", lambda *args: None):
+            with mock.patch.object(_recompute_replay, "replay_device_rng", lambda *args: None):
                 without_rng_replay = self.step(checkpointed_root)
 
         # Plain torch does not move the inputs in the recomputation (on a device: a device mismatch).

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import statistics
@@ -940,6 +941,7 @@ def measure_decorator(calls: int, rounds: int) -> dict[str, float]:
     wrappers' common path. Arrangements alternate within each round.
     """
     from torch_fsdp_ext._recompute import RecomputeReplay
+    from torch_fsdp_ext._recompute_replay import wrap_post_forward, wrap_pre_forward
 
     torch_fsdp_ext.uninstall()
     internals = _compat.load_internals()
@@ -954,7 +956,8 @@ def measure_decorator(calls: int, rounds: int) -> dict[str, float]:
         return output
 
     arrangements = {}
-    for name, stub, make_wrapper in (("pre", pre, fix._wrap_pre_forward), ("post", post, fix._wrap_post_forward)):
+    for name, stub, wrap in (("pre", pre, wrap_pre_forward), ("post", post, wrap_post_forward)):
+        make_wrapper = functools.partial(wrap, fix)
         decorator, _ = _compat.dynamo_decorator(internals.FSDPState.__dict__[f"_{name}_forward"])
         arrangements.setdefault("FSDP alone: D(hook)", []).append(decorator(stub))
         arrangements.setdefault("before: W(D(hook))", []).append(make_wrapper(decorator(stub)))

@@ -1,5 +1,6 @@
 """Records of a checkpointed region's forward: what its FSDP pre-forwards ran under, kept on the
-region's ``_CheckpointFrame`` for the recompute replay (``_recompute.RecomputeReplay``).
+region's ``_CheckpointFrame`` for the recompute replay (``_recompute_replay``), and the checkpoint
+hook wrappers that start them.
 
 Note: how the replay is paired with the forward. While a checkpointed region runs
 forward, each FSDP pre-forward stashes a small ``ForwardContext`` (no tensors) on
@@ -19,11 +20,16 @@ of the input cast does.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 
+from . import _compat
 from ._patching import wraps
+
+if TYPE_CHECKING:
+    from ._recompute import RecomputeReplay
+    from ._recompute_replay import RecomputeFrame
 
 
 class ForwardContext(NamedTuple):
@@ -95,3 +101,50 @@ def find_records(original: Callable) -> Callable:
             pass
 
     return __init__
+
+
+def wrap_forward_enter(fix: RecomputeReplay, original: Callable) -> Callable:
+    """``_checkpoint_hook.__enter__``: the region's forward starts; its records go on the thread's frame stack."""
+    frames, lock, frames_anywhere, cells = fix.frames, fix.switch.lock, fix.switch.frames_anywhere, fix.switch.cells
+
+    @wraps(original)
+    def __enter__(hook: Any) -> Any:
+        result = original(hook)
+        records = getattr(hook, RECORDS_ATTR, None)  # set by attach_records
+        if records is not None and fix.active:
+            frames.stack.append(records)
+            with lock:  # HookSwitch.push
+                frames_anywhere.append(None)
+                if len(frames_anywhere) == 1:
+                    for cell, _, wrapper in cells:
+                        cell.cell_contents = wrapper
+        return result
+
+    return __enter__
+
+
+def record_input_move(
+    stack: list, recompute: RecomputeFrame | None, context: ForwardContext, device: torch.device, inputs: tuple,
+    upstream_moves_inputs: bool,
+) -> ForwardContext:
+    """The context of a forward that moved the iteration's ``inputs`` onto ``device`` inside checkpointed regions.
+
+    A move that changed nothing (inputs already on the device) is not recorded: its replay would not either.
+
+    Note: the replay of this move must also replay ``device``'s RNG state.
+    Checkpoint restores RNG state only for the devices of its positional
+    tensor arguments; with CPU arguments that FSDP moves it restores none
+    for ``device``, and a recomputation would draw other random numbers
+    there (other dropout masks) than the forward did.
+    """
+    if not _compat.has_tensors_off(device, inputs):
+        return context
+    if upstream_moves_inputs or stack[-1] is recompute:  # the latter: recorded in no region
+        return context._replace(moved_to=device)
+    for entry in reversed(stack):
+        if entry is recompute:
+            break
+        records = entry
+        if device not in records.input_move_devices:
+            records.input_move_devices += (device,)
+    return context._replace(moved_to=device, device_rng_state=_compat.device_rng_state(device))
