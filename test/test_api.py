@@ -282,11 +282,15 @@ class TestFreshInterpreter(TestCase):
             _compat.probe_rejects_mixed_trainable_dtypes = lambda: False  # as if upstream fixed it
             _compat.probe_recompute_casts_inputs = lambda: True
             _compat.probe_recompute_moves_inputs = lambda: True
-            print(torch_fsdp_ext.install(), torch_fsdp_ext.status().fixes["dtype"].reason)
+            from torch_fsdp_ext._report import plugin_does
+            dtype = torch_fsdp_ext.status().fixes["dtype"]
+            print(torch_fsdp_ext.install(), dtype.reason)
+            print(plugin_does(dtype))  # the doctor's "plugin does" column: what torch does itself
             """,
             env={"TORCH_FSDP_EXT_DISABLE": "1"},
         )
-        self.assertEqual(out, "[] this torch accepts mixed trainable dtypes in one group")
+        self.assertEqual(out, "[] this torch accepts mixed trainable dtypes in one group\n"
+                              "this torch accepts mixed trainable dtypes in one group")
 
 
 class TestAlreadyShardedModules(FSDPExtTestCase):

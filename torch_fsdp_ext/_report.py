@@ -23,6 +23,8 @@ def needed_word(fix: Any) -> str:
 
 def plugin_does(fix: Any) -> str:
     """What the fix does on this torch, in a few words."""
+    if not fix.needed:  # nothing installed: what torch does itself, or why the fix stands aside
+        return fix.reason
     if "strategy" in fix.details:
         return f"strategy {fix.details['strategy']}"
     replays = fix.details.get("replays")
