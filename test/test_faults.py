@@ -349,6 +349,37 @@ class TestThreads(FSDPExtTestCase):
                 self.assertEqual(params, reference[1], atol=0, rtol=0)
 
 
+class TestUninstallDuringAHookSwitch(TestCase):
+    @plugin_specific
+    def test_a_region_entering_while_uninstall_runs_leaves_torch_hooks_in_place(self):
+        """A checkpointed region's forward that passed the fix's ``active`` check just before
+        ``uninstall()`` on another thread must not switch FSDP's hook cells back to the wrapper
+        afterwards: a later ``install()`` would take that wrapper for torch's method."""
+        from torch_fsdp_ext import _install
+        from torch_fsdp_ext._recompute_records import RECORDS_ATTR, FrameRecords, wrap_forward_enter
+
+        with plugin(True):
+            fix = _install._active["recompute"][0]
+            if not fix.switches_hooks:
+                self.skipTest("FSDP's forward hooks have no closure cell on this torch: nothing is switched")
+            torch_methods = [(cell, original) for cell, original, _ in fix.switch.cells]
+            for cell, original in torch_methods:  # whatever happens below, later tests get torch's hooks
+                self.addCleanup(setattr, cell, "cell_contents", original)
+            enter = wrap_forward_enter(fix, lambda hook: None)
+            records = FrameRecords.__new__(FrameRecords)
+            records.contexts = {}
+            hook = type("Hook", (), {RECORDS_ATTR: records})()
+            with fix.switch.lock:  # the region's thread stops right where it takes the lock
+                region = threading.Thread(target=enter, args=(hook,))
+                region.start()
+                region.join(0.5)
+                self.assertTrue(region.is_alive())
+                torch_fsdp_ext.uninstall()
+            region.join()
+            for cell, original in torch_methods:
+                self.assertIs(cell.cell_contents, original)
+
+
 class TestTwoThreadsTwoModels(FSDPExtTestCase):
     WORLD_SIZE = 1
 

@@ -67,8 +67,14 @@ class HookSwitch:
                     cell.cell_contents = wrapper
 
     def restore(self) -> None:
-        for cell, original, _ in self.cells:
-            cell.cell_contents = original
+        # Note: under the lock, and the cells forgotten: a region's enter or exit that passed
+        # the fix's ``active`` check on another thread just before uninstall() then finds
+        # nothing to switch, instead of putting the wrapper back for a later install() to
+        # take as torch's method.
+        with self.lock:
+            for cell, original, _ in self.cells:
+                cell.cell_contents = original
+            self.cells.clear()
 
 
 def remove_entry(stack: list, hook: Any) -> FrameRecords | RecomputeFrame | None:
