@@ -18,7 +18,7 @@ the upcast moment; it casts nothing.
 
 A group that stays mixed (``preserve``) passes FSDP's check through
 ``_mixed_groups.init_mp_dtypes_of_mixed_group``; on releases whose reduce-scatter casts
-the whole output to one dtype, ``_compat`` also wraps that path so that each
+the whole output to one dtype, ``_mixed_groups`` also wraps that path so that each
 parameter receives its gradient in its own dtype.
 
 Note [Upcast moment]. A model is upcast at the first of: its root's first lazy init
@@ -182,16 +182,13 @@ class DtypeFix:
                     groups.append(group)
         if not groups:
             return
-        names = {id(param): fqn for fqn, param in root.named_parameters(remove_duplicate=False)}
+        names = _param_names(root)
         entries = []
         for group in groups:
-            params = [(fsdp_param, _compat.current_module_param(fsdp_param)) for fsdp_param in group.fsdp_params]
-            if any(param.requires_grad and _compat.local_tensor_of(param).is_meta for _, param in params):
+            group_entries = _model_param_entries(group, names)
+            if any(e.tensor.requires_grad and _compat.local_tensor_of(e.tensor).is_meta for e in group_entries):
                 return  # not loaded yet: a later moment decides (FSDP's lazy init refuses meta parameters)
-            entries.append((group, [
-                ParamEntry(names.get(id(param)) or _compat.fsdp_param_name(fsdp_param, i), param, fsdp_param)
-                for i, (fsdp_param, param) in enumerate(params)
-            ]))
+            entries.append((group, group_entries))
         already = any(group.__dict__[_DECISION_ATTR].upcast for group in groups)
         if not already and not any(plan_group_dtypes(group_entries).is_mixed for _, group_entries in entries):
             return  # FSDP takes this model as it is
@@ -288,6 +285,19 @@ def _prepare(group: Any, strategy: Any) -> bool:
     return strategy.at_lazy_init(group, plan, repr(_compat.group_name(group)))
 
 
+def _param_names(root: torch.nn.Module) -> dict[int, str]:
+    return {id(param): fqn for fqn, param in root.named_parameters(remove_duplicate=False)}
+
+
+def _model_param_entries(group: Any, names: dict[int, str]) -> list[ParamEntry]:
+    """The group's parameters as the model holds them, named by their FQN under the root."""
+    entries = []
+    for i, fsdp_param in enumerate(group.fsdp_params):
+        param = _compat.current_module_param(fsdp_param)
+        entries.append(ParamEntry(names.get(id(param)) or _compat.fsdp_param_name(fsdp_param, i), param, fsdp_param))
+    return entries
+
+
 def _refuse_preserve_if_unsupported(group_name: str, plan: Any) -> None:
     """``preserve`` keeps a group mixed through ``_init_mp_dtypes``; some releases check elsewhere too."""
     if _compat.probe_dtype_check_counts_frozen():
@@ -303,7 +313,7 @@ def _refuse_preserve_if_unsupported(group_name: str, plan: Any) -> None:
 def _refuse_preserve_before_group_lazy_init(root: torch.nn.Module) -> None:
     """Where torch's check runs in the group's lazy init, a mixed ``preserve`` group is refused
     here, by this plugin and naming its parameters, before torch's assertion would."""
-    names = {id(param): fqn for fqn, param in root.named_parameters(remove_duplicate=False)}
+    names = _param_names(root)
     module_names = {id(module): fqn or "<root>" for fqn, module in root.named_modules(remove_duplicate=False)}
     for state in _compat.fsdp_states_under(root):
         for group in _compat.param_groups_of(state):
@@ -312,11 +322,7 @@ def _refuse_preserve_before_group_lazy_init(root: torch.nn.Module) -> None:
                 continue
             modules = _compat.group_modules(group)
             group_name = module_names.get(id(modules[0]), "<root>") if modules else "<root>"
-            params = [(p, _compat.current_module_param(p)) for p in group.fsdp_params]
-            plan = plan_group_dtypes([
-                ParamEntry(names.get(id(param)) or _compat.fsdp_param_name(p, i), param, p)
-                for i, (p, param) in enumerate(params)
-            ])
+            plan = plan_group_dtypes(_model_param_entries(group, names))
             if plan.is_mixed:
                 _refuse_preserve_if_unsupported(repr(group_name), plan)
 
