@@ -17,7 +17,7 @@ For each patch in ``PATCHES``:
    machinery are skipped in that run (``plugin_specific`` in test/common.py).
 
 Then it applies PR 2's previous version (``PREVIOUS_PR2``) to a fresh copy and runs the review
-cases 1(a)-(c) of ``test_recompute_inputs_on_cpu.py`` there: each must fail (they pass on PR 2).
+cases 1(a)-(c) and 2 of ``test_recompute_inputs_on_cpu.py`` there: each must fail (they pass on PR 2).
 Finally it checks that the patches also apply one after the other (the stack).
 Exits non-zero if any step of any patch fails; the summary names each failed step and
 test (with its exception line, e.g. a rank's assertion or a timeout) and how long each step took.
@@ -78,11 +78,13 @@ PATCHES = (
 )
 
 # PR 2's previous design (v3), kept to show that the cases its review found are the new
-# tests' failures: each of these (cases 1(a)-(c)) must fail against it and pass against PR 2.
-# Case 2 is not among them: in the CPU simulation the previous design raises for it too.
+# tests' failures: each of these (cases 1(a)-(c) and 2) must fail against it and pass against
+# PR 2. Case 2 counts in its flat form (only the root sharded), where v3 trains on silently
+# with another mask; with the blocks sharded too, v3 raises for it (loud, as PR 2 must be).
 PREVIOUS_PR2 = "pr2-recompute-root-input-move-v3.patch"
 REVIEW_CASES_TEST = "tools/upstream/test_recompute_inputs_on_cpu.py"
-REVIEW_CASES = "test_review_case and review_1"
+REVIEW_CASE_PREFIXES = ("review_1", "review_2_root")
+REVIEW_CASES = "test_review_case and (" + " or ".join(REVIEW_CASE_PREFIXES) + ")"
 
 REDIRECT = '''\
 # Written by tools/upstream/check.py: import FSDP2 from the patched copy next to this file.
@@ -227,7 +229,10 @@ def check_previous_pr2(pytest_args: list[str]) -> list[str]:
         )
         if not os.path.exists(junit_xml):
             return ["pytest wrote no report"]
-        cases = [case for case in ET.parse(junit_xml).iter("testcase") if "review_1" in case.get("name", "")]
+        cases = [
+            case for case in ET.parse(junit_xml).iter("testcase")
+            if any(prefix in case.get("name", "") for prefix in REVIEW_CASE_PREFIXES)
+        ]
         failed = {case.get("name") for case in cases if any(True for _ in (*case.iter("failure"), *case.iter("error")))}
         reasons = failed_tests(junit_xml)
         for case in cases:

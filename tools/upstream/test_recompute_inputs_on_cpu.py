@@ -22,8 +22,8 @@ root and moves the input.
 
 Run by ``check.py`` against the patched FSDP2 copy. Against unpatched torch 2.15.0 every
 layout of ``test_checkpoint_with_cpu_inputs`` but ``nested_blocks`` fails; of ``test_review_case``,
-1(a)-(c) pass (nothing moves, so they are unpatched FSDP's computation) and 2 fails (the stand-in
-cannot show the device mismatch a GPU reports; the recomputation draws another mask).
+1(a)-(c) pass (nothing moves, so they are unpatched FSDP's computation) and both forms of 2 fail (the
+stand-in cannot show the device mismatch a GPU reports; the recomputation draws another mask).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from unittest import mock
 import torch
 import torch.nn as nn
 import torch.distributed.fsdp._fully_shard._fsdp_state as fsdp_state
+from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize, run_tests
 from torch.utils.checkpoint import checkpoint
 
@@ -217,9 +218,11 @@ class TestRecomputeInputsOnCPU(FSDPExtTestCase):
     # unpatched FSDP runs, and recomputed 2 silently with another mask). In 1(a)-(c) the
     # inputs are already on the device, so the move changes nothing and the result must
     # be unpatched FSDP's, i.e. the same computation without FSDP; 2 must raise or be
-    # correct. check.py also runs 1(a)-(c) against the previous design, where each fails.
-    # Case 2 is loud on both here: in this simulation the previous design raises from block
-    # 0, which claims the iteration root during the recomputation (reported silent on a GPU).
+    # correct. check.py also runs 1(a)-(c) and flat 2 against the previous design, where
+    # each fails: in flat 2 (only the root sharded) it compares with the latest forward's
+    # RNG state and recomputes the first region with another mask. With the blocks sharded
+    # too (nested 2) the previous design raises, from block 0 claiming the iteration root
+    # during the recomputation; PR 2 must stay loud or correct there as well.
     @parametrize(
         "case",
         [
@@ -228,6 +231,7 @@ class TestRecomputeInputsOnCPU(FSDPExtTestCase):
             "review_1b_on_device_no_preserve_rng_state_device_dropout",
             "review_1c_on_device_handle_without_rng_state",
             "review_2_root_twice_first_draws_device_rng",
+            "review_2_nested_root_twice_first_draws_device_rng",
         ],
     )
     def test_review_case(self, case: str) -> None:
@@ -235,14 +239,15 @@ class TestRecomputeInputsOnCPU(FSDPExtTestCase):
         torch.manual_seed(42)
         model = Model(16, moved)
         ref_model = copy.deepcopy(model)
-        for block in model.blocks:
-            fully_shard(block)
+        if not case.startswith("review_2") or "nested" in case:
+            for block in model.blocks:
+                fully_shard(block)
         fully_shard(model)
         torch.manual_seed(42 + self.rank + 1)
         inp = torch.randn((4, 16))
         model(inp).sum().backward()  # lazy init from the root
         model.zero_grad(set_to_none=True)
-        states = {fully_shard.state(m) for m in (model, *model.blocks)}
+        states = {fully_shard.state(m) for m in model.modules() if isinstance(m, FSDPModule)}
         handle_type = StandInHandleWithoutRNGState if "without_rng_state" in case else StandInDeviceHandle
         device_handle = handle_type(fully_shard.state(model)._device_handle)
         ref_device_handle = StandInDeviceHandle(None)  # the same seed: draws what device_handle draws
