@@ -30,6 +30,8 @@ multi-process test (all subtests of a torch-style test run in one) may take
 from __future__ import annotations
 
 import argparse
+import glob
+import hashlib
 import os
 import re
 import shutil
@@ -76,6 +78,35 @@ PATCHES = (
         ranks_for_devices=False,  # its test moves CPU inputs to a real accelerator
     ),
 )
+
+# PR 1 against the newest upstream sources the reference index holds (pytorch/pytorch at
+# UPSTREAM_COMMIT; there ``foreach_reduce`` still takes ``orig_dtype`` and asserts one gradient
+# dtype, which v2.15.0 replaced). Only the three files the patch changes are stored at that
+# commit, so the copy it runs against is v2.12.1's package (the closest release to them) with
+# those three files over it, on the installed torch (2.15.0: it has
+# ``fsdp::chunk_cat_mixed_dtype``, which the patch reuses). They are not in this repository:
+# ``--upstream-tree DIR`` names a directory holding them (``UPSTREAM_FILES`` has their
+# hashes); without it this step is reported as not run.
+UPSTREAM_PR1 = Patch(
+    "pr1-mixed-orig-dtypes-upstream.patch",
+    "test/distributed/_composable/fsdp/test_fully_shard_mixed_dtype.py",
+    (),
+    ranks_for_devices=True,
+)
+UPSTREAM_COMMIT = "010ae4a89516fa3be548ab16dff711414ec12d0b"
+UPSTREAM_FILES = {
+    "_fsdp_collectives.py": "9014bf2174765b492040af86b0b3b4bd6e55b8ddac7e0ff8d0eac2b2a9fba35c",
+    "_fsdp_param.py": "ef0d91a4734eb11353bb52108814c4e8534f6082415c73d2823692bf166ccbcd",
+    "_fsdp_param_group.py": "640f5a81c28ea88a7e76ca896b672390157a7c7701028ef6dc271b85bd3f1687",
+}
+UPSTREAM_REST_RELEASE = "2.12.1"  # .ci/run's venv for it holds the package
+# torch 2.15.0's torch.distributed.fsdp imports this from the package; v2.12.1's lacks it
+UPSTREAM_REST_STAND_IN = (
+    "\n\nclass GradientReductionHandle:  # written by check.py for torch 2.15.0's imports\n"
+    "    pass\n"
+)
+# The unpatched upstream copy must fail these with the original-dtype assertion
+UPSTREAM_UNPATCHED_CASES = "test_train_parity and not bf16"
 
 # PR 2's previous design (v3), kept to show that the cases its review found are the new
 # tests' failures: each of these (cases 1(a)-(c) and 2) must fail against it and pass against
@@ -213,6 +244,72 @@ def check_patch(patch: Patch, pytest_args: list[str]) -> list[str]:
         ]
 
 
+def release_package(release: str) -> str | None:
+    cache = os.environ.get("TORCH_FSDP_EXT_CACHE", os.path.expanduser("~/.cache/torch_fsdp_ext"))
+    found = glob.glob(os.path.join(cache, f"venv-{release}", "lib", "python3*", "site-packages", PACKAGE))
+    return found[0] if found else None
+
+
+def copy_upstream_package(upstream_tree: str, tmp: str) -> str | None:
+    """Builds the upstream copy in ``tmp``; returns why it cannot be built, or None."""
+    rest = release_package(UPSTREAM_REST_RELEASE)
+    if rest is None:
+        return f"no torch {UPSTREAM_REST_RELEASE} venv under the cache (.ci/run makes it)"
+    target = os.path.join(tmp, PACKAGE)
+    shutil.copytree(rest, target, ignore=shutil.ignore_patterns("__pycache__"))
+    for name, sha256 in UPSTREAM_FILES.items():
+        path = os.path.join(upstream_tree, name)
+        if not os.path.exists(path):
+            return f"{path} is missing"
+        with open(path, "rb") as f:
+            if hashlib.sha256(f.read()).hexdigest() != sha256:
+                return f"{path} is not {name} at {UPSTREAM_COMMIT} (sha256 differs)"
+        shutil.copy(path, target)
+    with open(os.path.join(target, "__init__.py"), "a") as f:
+        f.write(UPSTREAM_REST_STAND_IN)
+    return None
+
+
+def check_upstream_pr1(upstream_tree: str | None, pytest_args: list[str]) -> list[str] | None:
+    """PR 1 on the upstream sources: fails unpatched, passes patched. None when not run."""
+    patch = UPSTREAM_PR1
+    print(f"\n=== {patch.file}: against pytorch/pytorch {UPSTREAM_COMMIT[:8]}")
+    if upstream_tree is None:
+        print(f"not run: no --upstream-tree (the files of {UPSTREAM_COMMIT[:8]} it changes are not shipped here)")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        why_not = copy_upstream_package(upstream_tree, tmp)
+        if why_not:
+            return [f"upstream copy: {why_not}"]
+        subprocess.run(["git", "apply", "--include=test/*", os.path.join(HERE, patch.file)], cwd=tmp, check=True)
+        env = patched_env(patch, tmp)
+        junit_xml = os.path.join(tmp, "unpatched.xml")
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "--tb=no", f"--junitxml={junit_xml}",
+             os.path.join(HERE, "test_on_cpu.py"), "-k", UPSTREAM_UNPATCHED_CASES, *pytest_args],
+            cwd=ROOT, env=env,
+        )
+        unpatched = [case for case in ET.parse(junit_xml).iter("testcase")] if os.path.exists(junit_xml) else []
+        reasons = failed_tests(junit_xml)
+        print(f"unpatched: {len(reasons)} of {len(unpatched)} fail: {sorted({r[r.find(' ('):] for r in reasons})}")
+        if not unpatched or len(reasons) != len(unpatched) or not all(
+            "uniform original parameter dtype" in reason for reason in reasons
+        ):
+            return ["the unpatched upstream copy does not fail with the original-dtype assertion"]
+        subprocess.run(["git", "apply", "--exclude=test/*", os.path.join(HERE, patch.file)], cwd=tmp, check=True)
+        junit_xml = os.path.join(tmp, "junit.xml")
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-rs", f"--junitxml={junit_xml}",
+             os.path.join(HERE, "test_on_cpu.py"), *pytest_args],
+            cwd=ROOT, env=env,
+        )
+        if run.returncode == 0:
+            return []
+        return [f"pytest: {test}" for test in failed_tests(junit_xml)] or [
+            f"pytest exited with status {run.returncode} and reported no failed test"
+        ]
+
+
 def check_previous_pr2(pytest_args: list[str]) -> list[str]:
     """The review cases fail against PR 2's previous design: returns those that did not."""
     print(f"\n=== {PREVIOUS_PR2}: the review cases must fail")
@@ -264,7 +361,8 @@ def timed(name: str, step, durations: dict[str, float]):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    pytest_args = parser.parse_known_args()[1]  # everything else goes to pytest (e.g. -k parity)
+    parser.add_argument("--upstream-tree", help=f"a directory holding {', '.join(UPSTREAM_FILES)} at {UPSTREAM_COMMIT}")
+    args, pytest_args = parser.parse_known_args()  # everything else goes to pytest (e.g. -k parity)
     import torch
 
     if torch.__version__.split("+")[0] != BASE_RELEASE:
@@ -274,6 +372,12 @@ def main() -> int:
         patch.file: timed(patch.file, lambda patch=patch: check_patch(patch, pytest_args), durations)
         for patch in PATCHES
     }
+    not_run = []
+    upstream = timed(UPSTREAM_PR1.file, lambda: check_upstream_pr1(args.upstream_tree, pytest_args), durations)
+    if upstream is None:
+        not_run.append(UPSTREAM_PR1.file)
+    else:
+        failures[UPSTREAM_PR1.file] = upstream
     failures[f"{PREVIOUS_PR2} (review cases fail)"] = timed(
         f"{PREVIOUS_PR2} (review cases fail)", lambda: check_previous_pr2(pytest_args), durations
     )
@@ -283,6 +387,8 @@ def main() -> int:
         print(f"{name}: {'FAILED' if failed else 'ok'} ({durations[name]:.0f} s)")
         for what in failed:
             print(f"  failed: {what}")
+    for name in not_run:
+        print(f"{name}: not run (no --upstream-tree)")
     return 1 if any(failures.values()) else 0
 
 
