@@ -2,6 +2,7 @@
 
     python tools/upstream/check.py            # on torch 2.15.0, the release the patches are against
     python tools/upstream/check.py -k parity  # extra pytest arguments go to every run
+    python tools/upstream/check.py --upstream-tree DIR  # also PR 1's version for upstream 010ae4a8
 
 For each patch in ``PATCHES``:
 
@@ -15,6 +16,10 @@ For each patch in ``PATCHES``:
    accelerator: see ``NO_ACCELERATOR``), the same test classes on CPU with gloo
    (``test_on_cpu.py``), and the patch's project tests. Tests of the plugin's own
    machinery are skipped in that run (``plugin_specific`` in test/common.py).
+
+With ``--upstream-tree``, it also runs PR 1's version for the upstream sources
+(``UPSTREAM_PR1``): on a copy of those sources, ``test_train_parity`` must fail unpatched
+with the original-dtype assertion and the whole test file must pass patched.
 
 Then it applies PR 2's previous version (``PREVIOUS_PR2``) to a fresh copy and runs the review
 cases 1(a)-(c) and 2 of ``test_recompute_inputs_on_cpu.py`` there: each must fail (they pass on PR 2).
