@@ -4,7 +4,7 @@
                                                       # mixed model, per-wrapper breakdown; exit 1 on a missed bound
     python tools/bench_instructions.py --world 1 --no-aa --no-breakdown --no-mixed   # the four counts of world 1
     python tools/bench_instructions.py --functions 25 # also the C functions whose counts the plugin changes most
-    python tools/bench_instructions.py --quick        # CI form: world 1, no checkpoint, 2 steps; bound checked
+    python tools/bench_instructions.py --quick        # CI form: world 1, no checkpoint, 2 steps, A/A; bound checked
     python tools/bench_instructions.py --bytecodes    # no valgrind, seconds: the plugin's Python bytecodes per step
     python tools/bench_instructions.py --layout roots # each checkpointed block is called directly, its own root
 
@@ -21,9 +21,10 @@ its own with ``PYTHONHASHSEED=0`` (``--jobs`` at a time): the Timer's setup buil
 the model, sets the plugin's state and warms up, its statement runs the counted
 steps. Counted within one process one after the other, configurations differ by
 ~250k instructions per step in 18 M (allocator state, address-keyed hashing),
-more than the plugin adds; fresh processes repeat to a few hundred. The unpatched
-and patched counts are each taken twice (not with ``--no-aa``): the A/A column is
-the larger spread.
+more than the plugin adds; fresh processes repeat to a few hundred on an idle
+machine and differ by up to ~30k per step on a loaded one. The unpatched and patched
+counts are each taken twice (not with ``--no-aa``): the A/A column is the larger
+spread, and a bound is missed when the plugin adds more than it beyond that spread.
 
 Note: world size 2 runs on torch's fake process group (collectives move no data):
 FSDP shards as on two ranks and the plugin's per-forward paths are the same as on
@@ -305,7 +306,7 @@ def main() -> int:
     parser.add_argument("--no-breakdown", action="store_true", help="skip the per-wrapper breakdown")
     parser.add_argument("--no-mixed", action="store_true", help="skip preserve/upcast on the mixed-dtype model")
     parser.add_argument("--no-aa", action="store_true", help="count each configuration once (no A/A control)")
-    parser.add_argument("--quick", action="store_true", help="CI: world 1, no checkpoint, 2 steps, one count each")
+    parser.add_argument("--quick", action="store_true", help="CI: world 1, no checkpoint, 2 steps, each counted twice")
     parser.add_argument("--functions", type=int, default=0, metavar="N",
                         help="also print the N functions whose instructions the plugin changes most (callgrind)")
     parser.add_argument("--jobs", type=int, default=2, help="callgrind processes at a time (default 2)")
@@ -344,7 +345,7 @@ def main() -> int:
         configs, rows = [], []
         for checkpoint in checkpoints:
             configs += [config(checkpoint, None), config(checkpoint, "upcast")]
-            if not args.quick and not args.no_aa:  # each again, in a process of its own: the A/A controls
+            if not args.no_aa:  # each again, in a process of its own: the A/A controls
                 configs += [config(checkpoint, None), config(checkpoint, "upcast")]
         mixed = not args.quick and not args.no_mixed and world == worlds[0]
         if mixed:
@@ -373,11 +374,15 @@ def main() -> int:
         for checkpoint in checkpoints:
             base, patched = of(checkpoint, None), of(checkpoint, "upcast")
             repeats = (counted(checkpoint, None), counted(checkpoint, "upcast"))
-            control = f"{max(max(r) - min(r) for r in repeats):,.0f}" if len(repeats[0]) > 1 else "-"
+            spread = max(max(r) - min(r) for r in repeats) if len(repeats[0]) > 1 else 0.0
+            control = f"{spread:,.0f}" if len(repeats[0]) > 1 else "-"
             added[checkpoint] = patched - base
             per_forward = added[checkpoint] / forwards_per_step(checkpoint)
             bound = BOUND_PER_FORWARD[checkpoint]
-            met = per_forward <= bound
+            # Note: fresh processes differ by up to ~30k instructions per step on a loaded machine
+            # (allocator state, address-keyed hashing), as much as the bound allows; a miss is what
+            # the plugin adds beyond the A/A spread.
+            met = (added[checkpoint] - spread) / forwards_per_step(checkpoint) <= bound
             ok &= met
             rows.append(["per-block non-reentrant checkpoint" if checkpoint else "no checkpoint", f"{base:,.0f}",
                          f"{added[checkpoint]:+,.0f} ({added[checkpoint] / base:+.2%})",
