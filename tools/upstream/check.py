@@ -213,6 +213,19 @@ def patched_env(patch: Patch, tmp: str) -> dict[str, str]:
     return env
 
 
+def run_tests(tests: list[str], env: dict[str, str], junit_xml: str, pytest_args: list[str]) -> list[str]:
+    """Runs ``tests`` with pytest; returns the failed tests (empty when all passed)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", f"--junitxml={junit_xml}", *tests, *pytest_args],
+        cwd=ROOT, env=env,
+    )
+    if run.returncode == 0:
+        return []
+    return [f"pytest: {test}" for test in failed_tests(junit_xml)] or [
+        f"pytest exited with status {run.returncode} and reported no failed test"
+    ]
+
+
 def check_patch(patch: Patch, pytest_args: list[str]) -> list[str]:
     """Returns what failed (empty when the patch passed)."""
     print(f"\n=== {patch.file}")
@@ -237,16 +250,7 @@ def check_patch(patch: Patch, pytest_args: list[str]) -> list[str]:
             tests.insert(0, upstream_test)  # as torch's CI runs it
         else:
             print(f"{patch.upstream_test} as torch's harness runs it: not run, {NO_ACCELERATOR}")
-        junit_xml = os.path.join(tmp, "junit.xml")
-        run = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-rs", f"--junitxml={junit_xml}", *tests, *pytest_args],
-            cwd=ROOT, env=env,
-        )
-        if run.returncode == 0:
-            return []
-        return [f"pytest: {test}" for test in failed_tests(junit_xml)] or [
-            f"pytest exited with status {run.returncode} and reported no failed test"
-        ]
+        return run_tests(tests, env, os.path.join(tmp, "junit.xml"), pytest_args)
 
 
 def release_package(release: str) -> str | None:
@@ -294,7 +298,7 @@ def check_upstream_pr1(upstream_tree: str | None, pytest_args: list[str]) -> lis
              os.path.join(HERE, "test_on_cpu.py"), "-k", UPSTREAM_UNPATCHED_CASES, *pytest_args],
             cwd=ROOT, env=env,
         )
-        unpatched = [case for case in ET.parse(junit_xml).iter("testcase")] if os.path.exists(junit_xml) else []
+        unpatched = list(ET.parse(junit_xml).iter("testcase")) if os.path.exists(junit_xml) else []
         reasons = failed_tests(junit_xml)
         print(f"unpatched: {len(reasons)} of {len(unpatched)} fail: {sorted({r[r.find(' ('):] for r in reasons})}")
         if not unpatched or len(reasons) != len(unpatched) or not all(
@@ -302,17 +306,7 @@ def check_upstream_pr1(upstream_tree: str | None, pytest_args: list[str]) -> lis
         ):
             return ["the unpatched upstream copy does not fail with the original-dtype assertion"]
         subprocess.run(["git", "apply", "--exclude=test/*", os.path.join(HERE, patch.file)], cwd=tmp, check=True)
-        junit_xml = os.path.join(tmp, "junit.xml")
-        run = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-rs", f"--junitxml={junit_xml}",
-             os.path.join(HERE, "test_on_cpu.py"), *pytest_args],
-            cwd=ROOT, env=env,
-        )
-        if run.returncode == 0:
-            return []
-        return [f"pytest: {test}" for test in failed_tests(junit_xml)] or [
-            f"pytest exited with status {run.returncode} and reported no failed test"
-        ]
+        return run_tests([os.path.join(HERE, "test_on_cpu.py")], env, os.path.join(tmp, "junit.xml"), pytest_args)
 
 
 def check_previous_pr2(pytest_args: list[str]) -> list[str]:
