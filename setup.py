@@ -41,6 +41,7 @@ setup(
         "test": [
             "pytest",
             "expecttest",
+            "hypothesis",
             "numpy",
             "transformers>=5.23.0",
             "peft>=0.21.2",

@@ -30,6 +30,11 @@ def patched_attributes() -> dict[tuple[str, str], object]:
         cell = _compat.decorated_method_cell(out[(owner, name)]) if owner == "FSDPState" else None
         if cell is not None:  # what torch's dynamo decorator calls (switched during checkpoint regions)
             out[(owner, f"{name} (decorated method)")] = cell.cell_contents
+    # What the dtype fix wraps outside FSDP2: where optimizers and torch.distributed.checkpoint.state_dict
+    # reach a model (Note [Optimizers see the upcast]).
+    out[("Optimizer", "add_param_group")] = torch.optim.Optimizer.__dict__["add_param_group"]
+    for module, name in _compat.state_dict_entry_points():
+        out[(module.__name__, name)] = module.__dict__[name]
     return out
 
 
@@ -65,10 +70,14 @@ class TestInstallUninstall(TestCase):
         patched = patched_attributes()
         changed = [key for key in pristine if patched[key] is not pristine[key]]
         # Every wrapped method but the reduce path of mixed groups (wrapped while such a group
-        # lives, test_lifecycle) and, where torch's decorator calls them through a cell, FSDP's
+        # lives, test_lifecycle), post_backward (wrapped while a frozen parameter is watched,
+        # test_orders) and, where torch's decorator calls them through a cell, FSDP's
         # pre/post-forward (switched only while a checkpoint region runs); the recompute fix alone wraps 8.
+        # The dtype fix also wraps Optimizer.add_param_group and three state-dict entry points.
         switched = 2 if torch_fsdp_ext._install._active["recompute"][0].switches_hooks else 0
-        self.assertEqual(len(changed), (len(_compat.WRAPPED_METHODS) - 2 if HAS_DTYPE_BUG else 8) - switched)
+        outside = 1 + len(_compat.state_dict_entry_points())
+        self.assertEqual(outside, 4)
+        self.assertEqual(len(changed), (len(_compat.WRAPPED_METHODS) - 3 + outside if HAS_DTYPE_BUG else 8) - switched)
         for _ in range(1000):
             torch_fsdp_ext.install()
             torch_fsdp_ext.uninstall()

@@ -254,12 +254,12 @@ class TestSkipRules(FSDPExtTestCase):
         self.assertExpectedInline(
             str(caught.exception),
             """\
-torch_fsdp_ext: FSDP2 param group '<root>' needs one dtype for its trainable parameters but has bfloat16, float32, float8_e4m3fn:
+torch_fsdp_ext: FSDP2 param group '<root>' of Sequential needs one dtype for its trainable parameters but has bfloat16, float32, float8_e4m3fn:
   1.weight: float32
   1.scale8: float8_e4m3fn (must not be cast: float8)
   0.weight: bfloat16
   0.bias: bfloat16
-Fix: parameters that must not be cast need one dtype per group: freeze them (requires_grad_(False)), give them their own fully_shard group, or pass them in ignored_params.""",
+Nothing was cast: upcast needs every parameter of a group in one dtype. Fix: parameters that must not be cast need one dtype per group: freeze them (requires_grad_(False)), give them their own fully_shard group, or pass them in ignored_params; or cast the model to one dtype before it is converted and sharded (model.float() before convert_to_float8_training and fully_shard: the hand workaround, no plugin needed).""",
         )
 
     def test_exclusion_rules(self):

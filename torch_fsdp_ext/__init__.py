@@ -14,7 +14,7 @@ from ._dtype_plan import MixedParamDtypeError
 from ._dtype_strategies import STRATEGIES
 from ._env import SettingError
 from ._loaded_dtypes import iter_state_dict_as_loaded, loaded_dtypes, save_loaded_dtypes, state_dict_as_loaded
-from ._install import FIX_NAMES, FixStatus, Status, install, installed, status, uninstall
+from ._install import FIX_NAMES, FixStatus, Status, install, installed, status, uninstall, upcast_now
 from ._rank_consistency import RankCheckTimeoutError
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "state_dict_as_loaded",
     "status",
     "uninstall",
+    "upcast_now",
 ]
 __version__ = "0.1.0"
 

@@ -65,6 +65,7 @@ FIX_SYMBOLS: dict[str, frozenset[str]] = {
 WRAPPED_METHODS: tuple[tuple[str, str], ...] = (
     ("FSDPParamGroup", "__init__"),
     ("FSDPParamGroup", "_init_mp_dtypes"),
+    ("FSDPParamGroup", "post_backward"),
     ("FSDPParam", "to_sharded_dtensor"),
     ("fsdp_param_group_module", "foreach_reduce"),
     ("FSDPState", "_lazy_init"),
@@ -238,23 +239,36 @@ def fsdp_states_under(root: torch.nn.Module) -> list[Any]:
     return states
 
 
-def model_state_dict_loader() -> tuple[types.ModuleType, str] | None:
-    """Where ``set_model_state_dict`` / ``set_state_dict`` load a model: (module, function name), or None.
+def state_dict_entry_points() -> list[tuple[types.ModuleType, str]]:
+    """Where ``torch.distributed.checkpoint.state_dict`` reaches a model's tensors or its optimizers'
+    state: (module, function name) of each module-level function that takes the model first.
 
-    Note: that function copies full (or rank-0 broadcast) tensors into the model's
-    local shards in place, before it calls ``load_state_dict()``, so a module hook
-    runs too late to widen a shard first; found by behaviour (both public setters
-    call it through the module global), not by version.
+    Note: ``_load_model_state_dict`` copies full (or rank-0 broadcast) tensors into the
+    model's local shards in place, before it calls ``load_state_dict()``, so a module
+    hook runs too late to widen a shard first; ``_get_optim_state_dict`` initialises
+    missing optimizer state with a zero-lr step and ``_load_optim_state_dict`` loads
+    into the optimizer (``set_state_dict`` loads the optimizer before the model).
+    Found by behaviour (the public functions call them through the module global),
+    not by version.
     """
     try:
         from torch.distributed.checkpoint import state_dict as module
     except ImportError:
-        return None
-    name = "_load_model_state_dict"
-    function = getattr(module, name, None)
-    if not callable(function) or name not in module.set_model_state_dict.__code__.co_names:
-        return None
-    return module, name
+        return []
+    callers = {
+        "_load_model_state_dict": ("set_model_state_dict", "set_state_dict"),
+        "_get_optim_state_dict": ("get_optimizer_state_dict", "get_state_dict"),
+        "_load_optim_state_dict": ("set_optimizer_state_dict", "set_state_dict"),
+    }
+    def called_by(name: str, caller: str) -> bool:
+        code = getattr(getattr(module, caller, None), "__code__", None)
+        return code is not None and name in code.co_names
+
+    return [
+        (module, name)
+        for name, public in callers.items()
+        if callable(getattr(module, name, None)) and all(called_by(name, caller) for caller in public)
+    ]
 
 
 def root_module_of(state: Any) -> torch.nn.Module | None:
@@ -283,6 +297,17 @@ def sync_sharded_param(fsdp_param: Any) -> None:
     """What FSDP's lazy init does first (``reset_sharded_param``), for a replaced parameter only."""
     if current_module_param(fsdp_param) is not fsdp_param.sharded_param:
         fsdp_param.reset_sharded_param()
+
+
+def reshard_group(group: Any) -> None:
+    """Put a param group's sharded parameters back on its modules (``FSDPParamGroup.reshard``): a
+    sharded parameter can change (``reset_sharded_param``) only while the module holds it."""
+    group.reshard()
+
+
+def redo_group_mp_dtypes(group: Any) -> None:
+    """FSDP's per-parameter and group dtypes, redone as an explicit ``unshard()`` redoes them."""
+    group._init_mp_dtypes()
 
 
 def local_tensor_of(tensor: torch.Tensor) -> torch.Tensor:

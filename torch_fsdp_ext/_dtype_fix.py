@@ -21,9 +21,11 @@ A group that stays mixed (``preserve``) passes FSDP's check through
 the whole output to one dtype, ``_mixed_groups`` also wraps that path so that each
 parameter receives its gradient in its own dtype.
 
-Note [Upcast moment]. A model is upcast at the first of: its root's first lazy init
-(first forward), or the first ``state_dict()`` / ``load_state_dict()`` /
-``set_model_state_dict()`` of one of its FSDP modules while the model's trainable
+Note [Upcast moment]. A model is upcast at the first of: an optimizer taking its
+parameters (Note [Optimizers see the upcast] in ``_optimizer_state``), its root's first
+lazy init (first forward), the first ``state_dict()`` / ``load_state_dict()`` of one of
+its FSDP modules or ``torch.distributed.checkpoint.state_dict`` call on it, and
+``torch_fsdp_ext.upcast_now(model)``, each only while the model's trainable
 parameters hold data (not meta). Every loader that runs after ``fully_shard`` runs
 before the first forward, and each then sees, on every rank, what it would see
 without the plugin:
@@ -36,11 +38,22 @@ without the plugin:
   or calls ``load_state_dict()`` on materialized parameters first: upcast then, so
   that fp32 masters in the checkpoint are not rounded to bf16 on the way in (an
   upcast at lazy init only would round them). ``set_model_state_dict`` and
-  ``set_state_dict`` copy into the local shards before ``load_state_dict()``: their
-  loader (``_compat.model_state_dict_loader``) is the moment for them;
+  ``set_state_dict`` copy into the local shards before ``load_state_dict()``, and
+  ``set_state_dict`` loads the optimizer first: their module-level functions
+  (``_compat.state_dict_entry_points``) are the moment for them;
 - parameters that ``load_state_dict(assign=True)`` put in place are taken as FSDP's
   lazy init takes them.
 The decision depends only on dtypes and ``requires_grad`` flags, the same on every rank.
+
+Note [Unfrozen later]. A frozen floating parameter narrower than the model's widest
+trainable dtype stays as loaded (frozen parameters are never cast). If it is made
+trainable later, it becomes a master weight of the widest dtype right before its
+group's first gradient reduce-scatter (``FSDPParamGroup.post_backward``), which then
+reduces it as it reduces the group's other masters: what ``model.float()`` before
+``fully_shard`` gives. Its forward is unchanged (it was all-gathered in its loaded
+dtype, which is what the master holds). One frozen *wider* than every trainable
+parameter cannot be matched that way (the rest of the model would have to be upcast
+with its optimizer state mid-training); making it trainable raises, naming it.
 
 Note: a group's strategy is decided once: at the model's upcast moment or at its
 first lazy init. It is kept on the group (``GroupDecision``), so a later
@@ -59,20 +72,30 @@ none, they are restored by identity.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from . import _compat, _compute_dtype, _mixed_groups, _optimizer_state
-from ._dtype_plan import MixedParamDtypeError, ParamEntry, describe_mixed_dtypes, plan_group_dtypes
-from ._dtype_strategies import make_strategy
+from ._dtype_plan import (
+    MixedParamDtypeError,
+    ParamEntry,
+    cast_exclusion_reason,
+    describe_mixed_dtypes,
+    format_dtype,
+    plan_group_dtypes,
+)
+from ._dtype_strategies import make_strategy, upcast_sharded_param
 from ._patching import PatchSet, wraps
 from ._rank_consistency import RankConsistency
 
 _DECISION_ATTR = "_torch_fsdp_ext_dtype_decision"
+
+logger = logging.getLogger("torch_fsdp_ext")
 
 
 @dataclass
@@ -83,6 +106,11 @@ class GroupDecision:
     layout: tuple | None  # (dtype, requires_grad) per parameter when last prepared; None: not prepared yet
     stays_mixed: bool = False
     upcast: bool = False  # its model's upcast changed it
+    # Note [Unfrozen later]: frozen parameters to upcast to ``watch_dtype`` once trainable, and
+    # frozen ones wider than it (an error once trainable).
+    watched: list = field(default_factory=list)
+    watched_wider: list = field(default_factory=list)
+    watch_dtype: Any = None
 
 
 def _layout(group: Any) -> tuple:
@@ -103,11 +131,17 @@ class DtypeFix:
         self._patches: PatchSet | None = None
         self._refused: weakref.WeakSet = weakref.WeakSet()  # root modules whose forward now raises
         self._hooked: weakref.WeakSet = weakref.WeakSet()  # groups whose modules have the state-dict hooks
+        # Groups whose model has not been decided with its data loaded: what an optimizer may still take first.
+        self._undecided: weakref.WeakSet = weakref.WeakSet()
+        # Note: the module hooks the fix registers live and die with their modules, not with
+        # the fix's patches: a process that builds many models keeps no handle of a freed one.
+        self._module_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> [handle]
+        self._watching = False  # FSDPParamGroup.post_backward is wrapped (Note [Unfrozen later])
 
     def set_strategy(self, name: str) -> None:
         self.strategy = make_strategy(name)
         if self.active:
-            self.refuse_half_initialised_models(self._patches)
+            self.refuse_half_initialised_models()
 
     def needed(self) -> tuple[bool, str]:
         rejects = _compat.probe_rejects_mixed_trainable_dtypes()
@@ -128,26 +162,36 @@ class DtypeFix:
     def wrapped_symbols(self) -> list[str]:
         owners = ("FSDPParamGroup",) if _compat.probe_reduce_casts_grads_per_param() else _compat.MIXED_REDUCE_OWNERS
         names = _compat.symbol_names(self.internals, (*owners, "FSDPState._lazy_init"))
-        loader = _compat.model_state_dict_loader()
-        return names + ([f"{loader[0].__name__}.{loader[1]}"] if loader is not None else [])
+        entry_points = [f"{module.__name__}.{name}" for module, name in _compat.state_dict_entry_points()]
+        return names + entry_points + ["torch.optim.Optimizer.add_param_group"]
 
     def install(self, patches: PatchSet) -> None:
+        self._patches = patches
+        patches.on_restore(self._remove_module_hooks)
         patches.wrap(self.internals.FSDPParamGroup, "__init__", self._wrap_init)
         self.ranks.install(patches)
         # Note: wrapped after the rank check, so it runs first: the ranks compare the upcast layout.
         patches.wrap(self.internals.FSDPState, "_lazy_init", self._wrap_root_lazy_init)
-        loader = _compat.model_state_dict_loader()
-        if loader is not None:
-            patches.wrap(*loader, self._wrap_model_state_dict_loader)
+        for entry_point in _compat.state_dict_entry_points():
+            patches.wrap(*entry_point, self._wrap_state_dict_entry_point)
+        _optimizer_state.wrap_add_param_group(patches, self.upcast_models_holding)
         _keeper.attach(self)
-        self.refuse_half_initialised_models(patches)
-        self._patches = patches
+        self.refuse_half_initialised_models()
         self.active = True
 
     def release(self) -> None:
         """At uninstall(), after ``active`` went False: what live groups do not need goes."""
         _keeper.detach(self)
         _optimizer_state.release()
+
+    def _add_module_hook(self, module: torch.nn.Module, handle: Any) -> None:
+        self._module_hooks.setdefault(module, []).append(handle)
+
+    def _remove_module_hooks(self) -> None:
+        for handles in list(self._module_hooks.values()):
+            for handle in handles:
+                handle.remove()
+        self._module_hooks.clear()
 
     def decide_existing_groups(self) -> None:
         """At install(): models sharded before it get the hooks of their upcast moment."""
@@ -163,13 +207,39 @@ class DtypeFix:
         if group in self._hooked:
             return
         self._hooked.add(group)
+        self._undecided.add(group)
         hook = functools.partial(_upcast_before_state_dict, weakref.ref(self))
         for module in modules:
-            self._patches.add_handle(module.register_state_dict_pre_hook(hook))
-            self._patches.add_handle(module.register_load_state_dict_pre_hook(hook))
+            self._add_module_hook(module, module.register_state_dict_pre_hook(hook))
+            self._add_module_hook(module, module.register_load_state_dict_pre_hook(hook))
 
-    def upcast_model(self, root: torch.nn.Module) -> None:
-        """The ``upcast`` decision for the model under ``root``, made once for all its groups."""
+    def upcast_models_holding(self, params: list) -> None:
+        """Note [Optimizers see the upcast]: upcast the undecided models that hold any of ``params``."""
+        if not self.active or not self._undecided:
+            return
+        ids = {id(p) for p in params}
+        groups = [
+            group for group in list(self._undecided)
+            if any(id(_compat.current_module_param(p)) in ids for p in group.fsdp_params)
+        ]
+        for root in _outermost_roots_of(groups):
+            self.upcast_model(root)
+
+    def upcast_now(self, root: torch.nn.Module) -> list[str]:
+        """``torch_fsdp_ext.upcast_now``: the model's upcast moment, now."""
+        for name, param in root.named_parameters():
+            if param.requires_grad and _compat.local_tensor_of(param).is_meta:
+                raise ValueError(
+                    f"torch_fsdp_ext.upcast_now: {name} is still on the meta device; load the model's weights "
+                    "(to_empty() and init, or its checkpoint) first, then call upcast_now(model)."
+                )
+        return self.upcast_model(root)
+
+    def upcast_model(self, root: torch.nn.Module) -> list[str]:
+        """The ``upcast`` decision for the model under ``root``, made once for all its groups.
+
+        Returns the names of the parameters it upcast now.
+        """
         groups = []
         for state in _compat.fsdp_states_under(root):
             if _compat.is_root_flag(state) is not None:
@@ -181,19 +251,57 @@ class DtypeFix:
                 if decision.strategy.name == "upcast":
                     groups.append(group)
         if not groups:
-            return
+            return []
         names = _param_names(root)
         entries = []
         for group in groups:
             group_entries = _model_param_entries(group, names)
             if any(e.tensor.requires_grad and _compat.local_tensor_of(e.tensor).is_meta for e in group_entries):
-                return  # not loaded yet: a later moment decides (FSDP's lazy init refuses meta parameters)
+                return []  # not loaded yet: a later moment decides (FSDP's lazy init refuses meta parameters)
             entries.append((group, group_entries))
+        for group in groups:
+            self._undecided.discard(group)
         already = any(group.__dict__[_DECISION_ATTR].upcast for group in groups)
-        if not already and not any(plan_group_dtypes(group_entries).is_mixed for _, group_entries in entries):
-            return  # FSDP takes this model as it is
-        for group in self.strategy_of(groups[0]).upcast_model(entries, _compat.user_class_name(root)):
-            group.__dict__[_DECISION_ATTR].upcast = True
+        upcast = []
+        if already or any(plan_group_dtypes(group_entries).is_mixed for _, group_entries in entries):
+            for group, group_upcast in self.strategy_of(groups[0]).upcast_model(entries, _compat.user_class_name(root)):
+                group.__dict__[_DECISION_ATTR].upcast = True
+                upcast.extend(group_upcast)
+        self._watch_frozen(entries)
+        return upcast
+
+    # -- Note [Unfrozen later] ----------------------------------------------------
+
+    def _watch_frozen(self, entries: list[tuple[Any, list[ParamEntry]]]) -> None:
+        trainable = [e.tensor.dtype for _, group_entries in entries for e in group_entries if e.tensor.requires_grad]
+        widest = _widest_floating(trainable)
+        if widest is None:
+            return
+        for group, group_entries in entries:
+            decision = group.__dict__[_DECISION_ATTR]
+            frozen = [
+                e for e in group_entries
+                if not e.tensor.requires_grad and e.tensor.dtype != widest and cast_exclusion_reason(e.tensor) is None
+            ]
+            decision.watched = [e.handle for e in frozen if torch.promote_types(e.tensor.dtype, widest) == widest]
+            decision.watched_wider = [e.handle for e in frozen if torch.promote_types(e.tensor.dtype, widest) != widest]
+            decision.watch_dtype = widest
+            if (decision.watched or decision.watched_wider) and not self._watching:
+                self._watching = True
+                self._patches.wrap(self.internals.FSDPParamGroup, "post_backward", self._wrap_post_backward,
+                                   as_decorated=True)
+
+    def _wrap_post_backward(self, original: Callable) -> Callable:
+        fix = self
+
+        @wraps(original)
+        def post_backward(group: Any, *args: Any) -> Any:
+            decision = group.__dict__.get(_DECISION_ATTR)
+            if decision is not None and (decision.watched or decision.watched_wider) and fix.active:
+                _upcast_unfrozen(group, decision)
+            return original(group, *args)
+
+        return post_backward
 
     @staticmethod
     def strategy_of(group: Any) -> Any:
@@ -215,18 +323,18 @@ class DtypeFix:
 
         return _lazy_init
 
-    def _wrap_model_state_dict_loader(self, original: Callable) -> Callable:
+    def _wrap_state_dict_entry_point(self, original: Callable) -> Callable:
         fix = self
 
         @wraps(original)
-        def _load_model_state_dict(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        def entry_point(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             if fix.active:
                 fix.upcast_model(model)
             return original(model, *args, **kwargs)
 
-        return _load_model_state_dict
+        return entry_point
 
-    def refuse_half_initialised_models(self, patches: PatchSet) -> None:
+    def refuse_half_initialised_models(self) -> None:
         """A model whose first forward failed in FSDP's lazy init (before this fix, or under
         ``dtype_strategy="error"``) cannot be repaired in place: its next forward says so
         instead of failing with an ``AttributeError`` deep inside FSDP."""
@@ -243,7 +351,7 @@ class DtypeFix:
             for module in modules:
                 # Note: torch's public hook API, ahead of FSDP's own pre-forward hook.
                 hook = functools.partial(_refuse_forward, message)
-                patches.add_handle(module.register_forward_pre_hook(hook, prepend=True))
+                self._add_module_hook(module, module.register_forward_pre_hook(hook, prepend=True))
                 self._refused.add(module)
 
     # -- hook 1: before sharding ------------------------------------------------
@@ -269,6 +377,55 @@ class DtypeFix:
             fix.hook_state_dicts(group, modules)
 
         return __init__
+
+
+def _outermost_roots_of(groups: list) -> list[torch.nn.Module]:
+    """The root modules of the FSDP models that hold ``groups``: modules of live FSDP states that
+    no other state's module contains (what a root's lazy init would make its own)."""
+    if not groups:
+        return []
+    candidates = [m for m in map(_compat.root_module_of, _compat.fsdp_states()) if m is not None]
+    subtrees = {id(m): {id(sub) for sub in m.modules()} for m in candidates}
+    outermost = [
+        m for m in candidates if not any(o is not m and id(m) in subtrees[id(o)] for o in candidates)
+    ]
+    roots = []
+    for group in groups:
+        first = _compat.group_modules(group)[0]
+        for root in outermost:
+            if id(first) in subtrees[id(root)] and not any(root is r for r in roots):
+                roots.append(root)
+    return roots
+
+
+def _widest_floating(dtypes: list[torch.dtype]) -> torch.dtype | None:
+    floating = [d for d in dtypes if d.is_floating_point and d.itemsize > 1]
+    return functools.reduce(torch.promote_types, floating) if floating else None
+
+
+def _upcast_unfrozen(group: Any, decision: GroupDecision) -> None:
+    """Note [Unfrozen later], right before the group's reduce-scatter."""
+    wider = [p for p in decision.watched_wider if _compat.fsdp_param_is_trainable(p)]
+    if wider:
+        names = ", ".join(f"{_compat.fsdp_param_name(p, 0)} ({format_dtype(p.sharded_param.dtype)})" for p in wider)
+        raise MixedParamDtypeError(
+            f"torch_fsdp_ext: {names} became trainable after the model's other trainable parameters were fixed "
+            f"as {format_dtype(decision.watch_dtype)}; its gradient cannot be reduced with theirs. Fix: make it "
+            "trainable before the first forward (or before torch_fsdp_ext.upcast_now(model)), or cast the model "
+            "to one dtype before fully_shard (model.float())."
+        )
+    unfrozen = [p for p in decision.watched if _compat.fsdp_param_is_trainable(p)]
+    if not unfrozen:
+        return
+    decision.watched = [p for p in decision.watched if not _compat.fsdp_param_is_trainable(p)]
+    logger.info(
+        "torch_fsdp_ext: %s became trainable: now %s master weight(s)",
+        ", ".join(_compat.fsdp_param_name(p, 0) for p in unfrozen), format_dtype(decision.watch_dtype),
+    )
+    _compat.reshard_group(group)  # what post_backward does first when it resharded after backward
+    for fsdp_param in unfrozen:
+        upcast_sharded_param(group, fsdp_param, decision.watch_dtype)
+    _compat.redo_group_mp_dtypes(group)
 
 
 # -- hook 2: right before the uniform-dtype check ---------------------------------

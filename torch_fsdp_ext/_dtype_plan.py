@@ -98,26 +98,33 @@ def _widest(dtypes: list[torch.dtype]) -> torch.dtype | None:
     return functools.reduce(torch.promote_types, promotable) if promotable else None
 
 
-def plan_model_upcast(groups: list[list[ParamEntry]]) -> tuple[torch.dtype | None, list[list[ParamEntry]]]:
-    """For a model's param groups: the widest trainable dtype, and per group the parameters to upcast to it.
+def plan_model_upcast(
+    groups: list[list[ParamEntry]],
+) -> tuple[torch.dtype | None, list[list[ParamEntry]], list[tuple[int, GroupDtypePlan]]]:
+    """For a model's param groups: the widest trainable dtype, per group the parameters to upcast
+    to it, and the groups that would stay mixed (index, plan).
 
     Nothing is upcast unless some group mixes trainable dtypes (FSDP takes the model as it
     is otherwise). A group holding a parameter that must keep a dtype other than the widest
-    is left as it is: upcasting its other parameters would make it mixed; if it is mixed
-    already, its own lazy init reports it.
+    is left as it is: upcasting its other parameters would make it mixed. If it is mixed
+    already, no upcast can fix it: it is returned among the refused, and the caller
+    changes nothing (a refusal leaves the whole model as loaded).
     """
     trainable = [[p for p in entries if p.tensor.requires_grad] for entries in groups]
     widest = _widest([p.tensor.dtype for entries in trainable for p in entries])
     if widest is None or not any(len({p.tensor.dtype for p in entries}) > 1 for entries in trainable):
-        return widest, [[] for _ in groups]
-    casts = []
-    for entries in trainable:
+        return widest, [[] for _ in groups], []
+    casts, refused = [], []
+    for index, entries in enumerate(trainable):
         kept = [p for p in entries if cast_exclusion_reason(p.tensor) is not None]
         if any(p.tensor.dtype != widest for p in kept):
             casts.append([])
+            plan = plan_group_dtypes(entries)
+            if plan.is_mixed:
+                refused.append((index, plan))
             continue
         casts.append([p for p in entries if p.tensor.dtype != widest])
-    return widest, casts
+    return widest, casts, refused
 
 
 def format_dtype(dtype: torch.dtype) -> str:

@@ -36,7 +36,9 @@ logger = logging.getLogger("torch_fsdp_ext")
 
 _KEEP_APART_HINT = (
     "Fix: parameters that must not be cast need one dtype per group: freeze them "
-    "(requires_grad_(False)), give them their own fully_shard group, or pass them in ignored_params."
+    "(requires_grad_(False)), give them their own fully_shard group, or pass them in ignored_params; or cast "
+    "the model to one dtype before it is converted and sharded (model.float() before convert_to_float8_training "
+    "and fully_shard: the hand workaround, no plugin needed)."
 )
 
 
@@ -84,15 +86,27 @@ class UpcastStrategy:
 
     name = "upcast"
 
-    def upcast_model(self, groups: list[tuple[Any, list[ParamEntry]]], model_name: str) -> list[Any]:
-        """Upcast ``groups`` (each with its parameters as the module holds them now); returns the groups changed."""
-        widest, casts = plan_model_upcast([entries for _, entries in groups])
+    def upcast_model(
+        self, groups: list[tuple[Any, list[ParamEntry]]], model_name: str
+    ) -> list[tuple[Any, list[str]]]:
+        """Upcast ``groups`` (each with its parameters as the module holds them now); returns the groups
+        changed, each with the names of its parameters upcast. Every group is checked before any changes."""
+        widest, casts, refused = plan_model_upcast([entries for _, entries in groups])
+        if refused:
+            messages = []
+            for index, plan in refused:
+                group_name = f"{_compat.group_name(groups[index][0])!r} of {model_name}"
+                messages.append(describe_mixed_dtypes(group_name, plan, self._conflicts(plan), ""))
+            raise MixedParamDtypeError(
+                "\n".join(message.rstrip("\n") for message in messages)
+                + "\nNothing was cast: upcast needs every parameter of a group in one dtype. " + _KEEP_APART_HINT
+            )
         changed, params, added = [], 0, 0
         for (group, _), group_casts in zip(groups, casts):
             if group_casts:
                 added += self._upcast(group, group_casts, widest, f"{_compat.group_name(group)!r} of {model_name}")
                 params += len(group_casts)
-                changed.append(group)
+                changed.append((group, [p.name for p in group_casts]))
         if changed:
             UPCAST_COST.warn_once(model_name, params, added, format_dtype(widest))
         return changed
@@ -160,6 +174,11 @@ def upcast_param(group: Any, fsdp_param: Any, dtype: Any) -> None:
     bf16 layer (``mat1 and mat2 must have the same dtype``).
     """
     _compat.sync_sharded_param(fsdp_param)
+    upcast_sharded_param(group, fsdp_param, dtype)
+
+
+def upcast_sharded_param(group: Any, fsdp_param: Any, dtype: Any) -> None:
+    """``upcast_param`` for a parameter whose module holds its sharded parameter (FSDP's own)."""
     loaded = fsdp_param.sharded_param.dtype
     _loaded_dtypes.remember_loaded_dtype(fsdp_param, loaded)
     change_sharded_param_dtype(fsdp_param, dtype)

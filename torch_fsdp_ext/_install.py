@@ -193,6 +193,23 @@ def installed(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None 
                 install(missing)
 
 
+def upcast_now(model: torch.nn.Module) -> list[str]:
+    """Give ``model`` (its FSDP root, after ``fully_shard`` and after its weights are loaded) its fp32
+    master weights now, rather than when an optimizer first takes its parameters or at its first
+    forward or state-dict call: for code that needs the final dtypes before that (an EMA copy,
+    parameter groups by dtype, a memory budget).
+
+    Returns the names of the parameters upcast by this call: none when the model is uniform,
+    was upcast already, its first forward ran, the strategy is not ``upcast`` or the dtype fix
+    is not active (this torch accepts mixed dtypes, or the plugin is uninstalled).
+    Raises ``ValueError`` while a trainable parameter is still on the meta device, and
+    ``MixedParamDtypeError`` (casting nothing) when a group cannot be made uniform.
+    """
+    with _lock:
+        entry = _active.get("dtype")
+    return entry[0].upcast_now(model) if entry is not None else []
+
+
 def status() -> Status:
     """Per fix: is it needed on this torch (and why), is it active, what it wraps."""
     internals = _compat.load_internals()

@@ -49,13 +49,16 @@ def remember_loaded_dtype(fsdp_param: Any, dtype: torch.dtype) -> None:
 
 def _changed_dtypes(model: torch.nn.Module) -> dict[int, torch.dtype]:
     """id of each sharded parameter whose dtype the plugin changed -> its loaded dtype."""
-    return {
-        id(fsdp_param.sharded_param): fsdp_param.__dict__[_ATTR]
-        for state in _compat.fsdp_states_under(model)
-        for group in _compat.param_groups_of(state)
-        for fsdp_param in group.fsdp_params
-        if _ATTR in fsdp_param.__dict__
-    }
+    changed = {}
+    for state in _compat.fsdp_states_under(model):
+        for group in _compat.param_groups_of(state):
+            for fsdp_param in group.fsdp_params:
+                if _ATTR in fsdp_param.__dict__:
+                    # Note: load_state_dict(assign=True) puts another object in the module until FSDP's
+                    # lazy init takes it: both are this parameter.
+                    for param in (fsdp_param.sharded_param, _compat.current_module_param(fsdp_param)):
+                        changed[id(param)] = fsdp_param.__dict__[_ATTR]
+    return changed
 
 
 def _clean_fqn(name: str) -> str:
