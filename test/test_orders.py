@@ -201,14 +201,26 @@ def assert_trains_as_workaround(test: unittest.TestCase, mine: Run, theirs: Run)
     for key, value in state.items():
         expected = reference_state[key]
         if isinstance(value, torch.Tensor):
-            test.assertEqual(value.dtype, expected.dtype, key)
-            test.assertTrue(torch.equal(value, expected), key)
+            if key[0] in trainable:  # a frozen parameter's state (Adagrad's, made at construction) follows its dtype
+                test.assertEqual(value.dtype, expected.dtype, key)
+            test.assertTrue(torch.equal(value.to(expected.dtype), expected), key)
         else:
             test.assertEqual(value, expected, key)
 
 
-def both(test: unittest.TestCase, runs: tuple[Run, Run], operation) -> bool:
-    """Apply ``operation`` to both runs; True if both ran, False if both raised the same type."""
+def documented_difference(trace: list[str], error: BaseException) -> bool:
+    """The one order docs/how-it-works.md lists where the plugin cannot train as the workaround: an
+    optimizer that makes state in its constructor (Adagrad) built while a parameter is frozen, the
+    parameter unfrozen later. Its state was made in the loaded dtype; the plugin names it at the step."""
+    if not isinstance(error, MixedParamDtypeError) or "still bfloat16" not in str(error):
+        return False
+    built = trace.index("optimizer adagrad") if "optimizer adagrad" in trace else len(trace)
+    return "embed.requires_grad_(False)" in trace[:built] and "embed.requires_grad_(True)" in trace[built:]
+
+
+def both(test: unittest.TestCase, runs: tuple[Run, Run], operation, trace: list[str] | None = None) -> bool:
+    """Apply ``operation`` to both runs; True if both ran, False if both raised (or the plugin raised
+    in the documented difference: ``documented_difference``)."""
     outcomes = []
     for run in runs:
         try:
@@ -219,6 +231,9 @@ def both(test: unittest.TestCase, runs: tuple[Run, Run], operation) -> bool:
     mine, theirs = outcomes
     if mine is None and theirs is None:
         return True
+    if theirs is None and trace is not None and documented_difference(trace, mine):
+        trace.append("documented difference")
+        return False
     test.assertIsNotNone(mine, f"only the workaround raised: {theirs!r}")
     test.assertIsNotNone(theirs, f"only the plugin raised: {mine!r}")
     return False
@@ -382,9 +397,10 @@ class OrderMachine(RuleBasedStateMachine):
 
     def apply(self, name: str, operation) -> None:
         self.trace.append(name)
-        if not both(self.test, self.runs, operation):
+        if not both(self.test, self.runs, operation, self.trace):
             self.raised = True
-            self.trace.append("both raised")
+            if self.trace[-1] != "documented difference":
+                self.trace.append("both raised")
 
     def has_optimizer(self) -> bool:
         return not self.raised and self.runs[0].optimizer is not None
@@ -484,7 +500,9 @@ class TestOrderMatrix(FSDPExtTestCase):
             ))
         ran = [trace for trace in OrderMachine.sequences if trace]
         raised = [trace for trace in ran if "both raised" in trace]
-        print(f"order matrix: {len(ran)} sequences, {len(ran) - len(raised)} bit for bit, {len(raised)} raised in both")
+        documented = [trace for trace in ran if "documented difference" in trace]
+        print(f"order matrix: {len(ran)} sequences, {len(ran) - len(raised) - len(documented)} bit for bit, "
+              f"{len(raised)} raised in both, {len(documented)} documented differences")
         self.assertGreaterEqual(len(ran), ORDER_EXAMPLES // 2)
 
 
