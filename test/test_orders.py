@@ -226,7 +226,7 @@ def both(test: unittest.TestCase, runs: tuple[Run, Run], operation, trace: list[
         try:
             operation(run)
             outcomes.append(None)
-        except Exception as e:  # noqa: BLE001 - compared between the two runs
+        except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - compared between the two runs
             outcomes.append(e)
     mine, theirs = outcomes
     if mine is None and theirs is None:
