@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import sys
 import tempfile
@@ -42,6 +43,7 @@ from common import (
 )
 from test_integration import decoder_layers, has_transformers, tiny_llama, train_llama
 from torch_fsdp_ext import _compute_dtype, run
+from torch_fsdp_ext._dtype_strategies import UPCAST_COST
 
 BF16, FP32 = torch.bfloat16, torch.float32
 COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "all_reduce")
@@ -291,6 +293,61 @@ class TestComputeDtype(FSDPExtTestCase):
         for (_, name), dtypes in results["switch"][2].items():
             self.assertEqual(dtypes, {FP32 if "norm" in name else BF16}, name)
 
+    @unittest.skipUnless(has_transformers, "transformers is not installed (pip install '.[test]')")
+    def test_transformers_keep_in_fp32_lists_through_auto(self):
+        """A stock bf16 LlamaForCausalLM whose keep-in-fp32 list keeps the RMSNorms in fp32, no mixed precision
+        (accelerate's ``mixed_precision: "no"``): an fp32 norm hands fp32 to the bf16 q_proj and it fails, with or
+        without the plugin. ``--compute-in-loaded-dtype auto`` reads the model's list and trains bit for bit like
+        each norm in an fp32 unit of its own, output cast back to bf16 (the workaround), under preserve."""
+        no_mp = TorchMixedPrecisionPolicy()
+
+        def model_keeping_norms_in_fp32():
+            model = tiny_llama()  # bf16, LlamaRMSNorm weights fp32
+            # What transformers sets from a model class's _keep_in_fp32_modules_strict.
+            model._keep_in_fp32_modules_strict = {"input_layernorm", "post_attention_layernorm", "norm"}
+            return model
+
+        def shard(model):
+            for layer in decoder_layers(model):
+                fully_shard(layer, mp_policy=no_mp)
+            fully_shard(model, mp_policy=no_mp)
+            return model
+
+        with plugin(True), unittest.mock.patch.object(UPCAST_COST, "_warned", False):
+            model = shard(model_keeping_norms_in_fp32())
+            warning = self.assertLogs("torch_fsdp_ext", logging.WARNING) if self.rank == 0 else contextlib.nullcontext()
+            with warning as logs, self.assertRaisesRegex(RuntimeError, "expected m1 and m2 to have the same dtype"):
+                train_llama(model, self.rank)
+        if self.rank == 0:  # the upcast warning, logged right before the failure, names the fix
+            self.assertIn(
+                "model.norm, model.layers.0.input_layernorm, model.layers.0.post_attention_layernorm, ... compute in float32 and hand float32 to the next layer; if that fails ('expected m1 and m2 to "
+                "have the same dtype'), cast at their boundaries: launch with --compute-in-loaded-dtype CLASS",
+                logs.output[0],
+            )
+        results = {}
+        for layout in ("auto", "units"):
+            with plugin(layout == "auto", dtype_strategy="preserve"):
+                model = model_keeping_norms_in_fp32()
+                if layout == "units":
+                    unit = TorchMixedPrecisionPolicy(param_dtype=FP32, reduce_dtype=FP32, output_dtype=BF16)
+                    for module in model.modules():
+                        if type(module).__name__ == "LlamaRMSNorm":
+                            fully_shard(module, mp_policy=unit)
+                _compute_dtype.set_default_selectors("auto" if layout == "auto" else None)
+                try:
+                    shard(model)
+                    with record_compute_dtypes(model) as seen:
+                        losses = train_llama(model, self.rank)
+                finally:
+                    _compute_dtype.set_default_selectors(None)
+                results[layout] = (losses, full_params(model), seen)
+        self.assertTrue(all(torch.isfinite(torch.tensor(results["auto"][0]))))
+        self.assertEqual(results["auto"][0], results["units"][0])
+        for name, value in results["auto"][1].items():
+            self.assertTrue(torch.equal(value, results["units"][1][name]), name)
+        for (_, name), dtypes in results["auto"][2].items():
+            self.assertEqual(dtypes, {FP32 if "norm" in name else BF16}, name)
+
 
 @plugin_specific
 class TestComputeDtypeErrors(TestCase):
@@ -408,6 +465,23 @@ param_dtype that dtype.""",
         self.assertEqual(chosen, {"layers.1.attn_norm.weight", "norm.weight"})
         self.assertEqual(fn(self.model.norm.weight), FP32)
 
+
+    def test_auto_selects_the_keep_in_fp32_modules_loaded_in_fp32(self):
+        model = TinyLlama().to(BF16)
+        model.layers[0].attn_norm.float()
+        model.layers[1].mlp_norm.float()
+        model.norm.float()
+        # Entries as transformers writes them: a module name, a parameter name, a glob; mlp_norm of
+        # layer 0 is listed but was loaded in bf16, so it is not selected.
+        model._keep_in_fp32_modules = ["attn_norm"]
+        model._keep_in_fp32_modules_strict = {"layers.*.mlp_norm.weight", "norm"}
+        fn = torch_fsdp_ext.compute_in_loaded_dtype(model, "auto")
+        chosen = {name for name, p in model.named_parameters() if fn(p) is not None}
+        self.assertEqual(chosen, {"layers.0.attn_norm.weight", "layers.1.mlp_norm.weight", "norm.weight"})
+
+    def test_auto_on_a_model_without_lists(self):
+        with self.assertRaisesRegex(ValueError, "'auto': TinyLlama declares no _keep_in_fp32_modules"):
+            torch_fsdp_ext.compute_in_loaded_dtype(TinyLlama(), ["auto"])
 
 if __name__ == "__main__":
     run_tests()

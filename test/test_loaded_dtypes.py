@@ -7,12 +7,16 @@ The reference for every value is torch's own full state dict of the trained mode
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import unittest
 from unittest import mock
 
@@ -21,9 +25,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_fsdp_ext
+import torch_fsdp_ext.__main__
 from torch_fsdp_ext import _loaded_dtypes
 
 from common import (
@@ -287,6 +292,81 @@ class TestAsLoaded(FSDPExtTestCase):
             self.assert_bitwise_equal(merged, expected)
             self.assertFalse(torch.equal(merged["layers.0.wq.weight"], seed_000_model().layers[0].wq.weight))
         dist.barrier()
+
+class TestExportBadInput(TestCase):
+    """``python -m torch_fsdp_ext export`` on damaged checkpoints: one clear error, nothing partial left."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.root = tempfile.mkdtemp(prefix="torch_fsdp_ext_export_")
+        self.addCleanup(shutil.rmtree, self.root)
+        self.checkpoint, self.out = os.path.join(self.root, "ckpt"), os.path.join(self.root, "release")
+        model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.LayerNorm(8))
+        dcp.save({"model": model.state_dict()}, checkpoint_id=self.checkpoint, no_dist=True)
+        torch_fsdp_ext.save_loaded_dtypes(model, self.checkpoint)
+        self.expected = model.state_dict()
+        self.shard = os.path.join(self.checkpoint, next(n for n in os.listdir(self.checkpoint) if n.endswith(".distcp")))
+        os.makedirs(self.out)
+        self.previous = os.path.join(self.out, "model.safetensors")
+        with open(self.previous, "wb") as f:
+            f.write(b"an earlier export")
+
+    def export(self) -> tuple[int, str]:
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            code = torch_fsdp_ext.__main__.main(["export", self.checkpoint, self.out])
+        return code, stderr.getvalue()
+
+    def assert_refused(self, path: str, what: str) -> None:
+        code, stderr = self.export()
+        self.assertEqual(code, 1)
+        self.assertEqual(len(stderr.strip().splitlines()), 1, stderr)
+        self.assertIn(f"torch_fsdp_ext export: {path}: {what}", stderr)
+        self.assertEqual(os.listdir(self.out), ["model.safetensors"])  # no partial file beside it
+        with open(self.previous, "rb") as f:
+            self.assertEqual(f.read(), b"an earlier export")  # never replaced by a partial one
+
+    def test_intact_checkpoint_replaces_the_output(self) -> None:
+        from safetensors.torch import load_file
+
+        self.assertEqual(self.export(), (0, ""))
+        self.assertEqual(os.listdir(self.out), ["model.safetensors"])
+        exported = load_file(self.previous)
+        self.assertEqual({k: v.dtype for k, v in exported.items()}, {k: v.dtype for k, v in self.expected.items()})
+        self.assertEqual(exported, self.expected, atol=0, rtol=0)
+
+    def test_missing_metadata(self) -> None:
+        os.remove(os.path.join(self.checkpoint, ".metadata"))
+        self.assert_refused(os.path.join(self.checkpoint, ".metadata"), "missing")
+
+    def test_missing_shard(self) -> None:
+        os.remove(self.shard)
+        self.assert_refused(self.shard, "missing")
+
+    def test_truncated_shard(self) -> None:
+        size = os.path.getsize(self.shard)
+        os.truncate(self.shard, size // 2)
+        self.assert_refused(self.shard, f"truncated ({size // 2} bytes")
+
+    def test_damaged_shard_of_full_length_fails_while_writing(self) -> None:
+        size = os.path.getsize(self.shard)
+        with open(self.shard, "wb") as f:
+            f.write(b"\0" * size)
+        self.assert_refused(self.checkpoint, "reading")
+
+    def test_broken_sidecar_json(self) -> None:
+        sidecar = os.path.join(self.checkpoint, _loaded_dtypes.SIDECAR)
+        with open(sidecar) as f:
+            text = f.read()
+        with open(sidecar, "w") as f:
+            f.write(text[: len(text) // 2])
+        self.assert_refused(sidecar, "unreadable")
+
+    def test_missing_sidecar(self) -> None:
+        sidecar = os.path.join(self.checkpoint, _loaded_dtypes.SIDECAR)
+        os.remove(sidecar)
+        self.assert_refused(sidecar, "missing. Write it when saving the checkpoint")
+
 
 if __name__ == "__main__":
     run_tests()

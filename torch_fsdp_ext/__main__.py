@@ -41,9 +41,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor(world_size=args.world_size)
     if args.command == "export":
-        from ._loaded_dtypes import export
+        from ._loaded_dtypes import ExportError, export
 
-        print(export(args.checkpoint_dir, args.out_dir))
+        try:
+            print(export(args.checkpoint_dir, args.out_dir))
+        except ExportError as e:
+            print(f"torch_fsdp_ext export: {e}", file=sys.stderr)
+            return 1
         return 0
     parser.print_help()
     return 2

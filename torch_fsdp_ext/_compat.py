@@ -847,6 +847,10 @@ def _observe_checkpoint_hooks(internals: TorchInternals) -> list[tuple[str, Any]
         originals.append((cls, method, original))
         setattr(cls, method, observer)
 
+    # Note: checkpoint resolves its default device type on first use and caches it on the
+    # class (None until then). The probe must not resolve it for the user: an accelerator that
+    # becomes visible later would otherwise have its RNG state stashed for the wrong device type.
+    device_type_cache = vars(torch.utils.checkpoint.DefaultDeviceType).get("_default_device_type")
     try:
         observe(internals.checkpoint_hook, "__init__", "checkpoint")
         observe(internals.checkpoint_hook, "__enter__", "forward")
@@ -860,6 +864,8 @@ def _observe_checkpoint_hooks(internals: TorchInternals) -> list[tuple[str, Any]
                 delattr(cls, method)
             else:
                 setattr(cls, method, original)
+        if "_default_device_type" in vars(torch.utils.checkpoint.DefaultDeviceType):
+            torch.utils.checkpoint.DefaultDeviceType._default_device_type = device_type_cache
     return seen
 
 

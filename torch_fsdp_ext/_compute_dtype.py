@@ -7,7 +7,8 @@ for which it returns its original dtype is all-gathered and computes in that dty
 same field, semantics and errors on every release (torch's class where it has the
 field, a compatible subclass elsewhere), and the common case without writing a
 function: ``compute_in_loaded_dtype(model, [LlamaRMSNorm, "lm_head"])`` or the
-``TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE`` environment variable.
+``TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE`` environment variable; the selector ``"auto"``
+reads a transformers model's own lists of modules kept in fp32 (Note [auto]).
 
 The dtype fix (``_dtype_fix.py``) calls three steps:
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -150,6 +152,8 @@ def _matches(selector: Any, fqn: str, module: nn.Module) -> bool:
     """A class matches its instances; a string matches a class name, an FQN glob, or one FQN component."""
     if isinstance(selector, type):
         return isinstance(module, selector)
+    if selector == AUTO:  # reserved: transformers' keep-in-fp32 lists (Note [auto]), never a name
+        return False
     return (
         any(cls.__name__ == selector for cls in type(module).__mro__)
         or fnmatch.fnmatchcase(fqn, selector)
@@ -219,6 +223,52 @@ def _select(root: nn.Module, selectors: tuple[Any, ...], prefix: str = "") -> tu
     return modules, used
 
 
+# Note [auto]. transformers declares on a model the modules its checkpoints keep in fp32:
+# ``_keep_in_fp32_modules`` (kept in fp32 when loading in fp16) and
+# ``_keep_in_fp32_modules_strict`` (in fp16 and bf16). Their entries are patterns
+# searched in parameter names, dot-separated components ("wo", "gate.weight",
+# "layers.*.router"). The selector ``"auto"`` selects the module holding each parameter
+# an entry names, where that module was loaded in fp32: exactly the modules the loader
+# kept in fp32, each then computing in fp32 with casts at its boundary. Opt-in, not
+# automatic: under a bf16 policy a selected module computes in fp32 instead of bf16 and
+# adds two casts, and a model that trains without the plugin must train the same with it.
+AUTO = "auto"
+KEEP_IN_FP32_LISTS = ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
+
+
+def keep_in_fp32_entries(model: nn.Module) -> tuple[str, ...]:
+    """The entries of transformers' two keep-in-fp32 lists of ``model`` itself (empty for other models)."""
+    entries: set[str] = set()
+    for attr in KEEP_IN_FP32_LISTS:
+        value = getattr(model, attr, None)
+        if isinstance(value, (list, tuple, set, frozenset)):
+            entries.update(entry for entry in value if isinstance(entry, str) and entry)
+    return tuple(sorted(entries))
+
+
+def _entry_pattern(entry: str) -> re.Pattern:
+    """A keep-in-fp32 entry as transformers searches it: whole name components, ``*`` within one."""
+    return re.compile(r"(?:^|\.)" + re.escape(entry).replace(r"\*", r"[^.]*") + r"(?:\.|$)")
+
+
+def _select_kept_in_fp32(root: nn.Module) -> tuple[dict[nn.Module, torch.dtype], bool]:
+    """``"auto"``: the fp32-loaded modules the keep-in-fp32 lists in ``root``'s tree name; whether any list exists."""
+    selected: dict[nn.Module, torch.dtype] = {}
+    declared = False
+    for owner in root.modules():
+        entries = keep_in_fp32_entries(owner)
+        if not entries:
+            continue
+        declared = True
+        patterns = [_entry_pattern(entry) for entry in entries]
+        for fqn, module in owner.named_modules():
+            names = [f"{fqn}.{name}" if fqn else name for name, _ in module.named_parameters(recurse=False)]
+            if module not in selected and any(p.search(name) for p in patterns for name in names):
+                if _module_dtype(fqn or "<root>", module) == torch.float32:
+                    selected[module] = torch.float32
+    return selected, declared
+
+
 def compute_in_loaded_dtype(model: nn.Module, modules: Iterable[Any]) -> LoadedDtypeModules:
     """A ``param_dtype_override_fn`` that keeps the selected modules computing in their loaded dtype.
 
@@ -230,10 +280,23 @@ def compute_in_loaded_dtype(model: nn.Module, modules: Iterable[Any]) -> LoadedD
     """
     selectors = _check_selectors(modules)
     matched, used = _select(model, selectors)
-    unused = [s for i, s in enumerate(selectors) if i not in used]
+    unused = [s for i, s in enumerate(selectors) if i not in used and s != AUTO]
     if unused:
         raise ValueError(_nothing_matched(unused, model))
+    if AUTO in selectors:
+        kept, declared = _select_kept_in_fp32(model)
+        if not declared:
+            raise ValueError(_no_keep_in_fp32_lists(type(model).__name__))
+        matched.update({m: d for m, d in kept.items() if not any(m in outer.modules() for outer in matched)})
     return LoadedDtypeModules(matched)
+
+
+def _no_keep_in_fp32_lists(where: str) -> str:
+    return (
+        f"torch_fsdp_ext: compute_in_loaded_dtype 'auto': {where} declares no _keep_in_fp32_modules or "
+        "_keep_in_fp32_modules_strict (transformers' lists of modules kept in fp32). Name the modules instead, "
+        "e.g. LlamaRMSNorm."
+    )
 
 
 def _selector_name(selector: Any) -> str:
@@ -308,7 +371,14 @@ def resolve_before_sharding(params: list[nn.Parameter], modules: tuple, mp_polic
             found, used = _select(module, _default_selectors)
             selected.update(found)
             _matched_defaults.update(used)
+            if AUTO in _default_selectors:
+                kept, declared = _select_kept_in_fp32(module)
+                selected.update({m: d for m, d in kept.items() if not any(m in o.modules() for o in found)})
+                if declared:
+                    _matched_defaults.add(_default_selectors.index(AUTO))
         fn = LoadedDtypeModules(selected) if selected else None
+        if fn is not None and AUTO in _default_selectors:
+            _select_in_built_groups(modules, fn)
     if fn is None:
         return None
     base = dataclasses.replace(mp_policy, param_dtype_override_fn=None) if override_fn_of(mp_policy) else mp_policy
@@ -319,6 +389,23 @@ def resolve_before_sharding(params: list[nn.Parameter], modules: tuple, mp_polic
         if dtype != base.param_dtype:
             compute_dtypes[index] = dtype
     return GroupOverrides(base, compute_dtypes)
+
+
+def _select_in_built_groups(modules: tuple, fn: LoadedDtypeModules) -> None:
+    """``"auto"`` found at the root: select in the groups ``fully_shard`` built below it before.
+
+    Note: transformers' lists sit on the model, the root; ``fully_shard`` builds the
+    groups of its layers first. Their parameters still hold their loaded dtypes (the
+    upcast waits for the first forward), and a group takes a compute dtype until its
+    lazy init (``compute_in``).
+    """
+    for module in modules:
+        for state in _compat.fsdp_states_under(module):
+            for group in _compat.param_groups_of(state):
+                for fsdp_param in group.fsdp_params:
+                    dtype = fn(_compat.current_module_param(fsdp_param))
+                    if dtype is not None and dtype != _compat.param_mp_policy(group, fsdp_param).param_dtype:
+                        compute_in(group, fsdp_param, dtype)
 
 
 def _resolve(fn: Callable, policy: Any, param: nn.Parameter, name: str) -> torch.dtype | None:
@@ -396,6 +483,8 @@ def _check_one_cast_dtype(group: Any) -> None:
 def check_defaults_matched() -> None:
     """At lazy init: every selector of the environment / launcher matched a module somewhere."""
     unused = [s for i, s in enumerate(_default_selectors) if i not in _matched_defaults]
+    if AUTO in unused:
+        raise ValueError(_no_keep_in_fp32_lists("no FSDP2 group built so far").replace("compute_in_loaded_dtype", ENV_VAR, 1))
     if unused:
         raise ValueError(
             _nothing_matched(unused, None).replace("compute_in_loaded_dtype", ENV_VAR, 1)

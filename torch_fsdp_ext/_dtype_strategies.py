@@ -61,16 +61,47 @@ class UpcastCost:
             self.params += params
             self.bytes += added_bytes
 
-    def warn_once(self, model_name: str, params: int, added_bytes: int, widest: str) -> None:
+    def warn_once(
+        self, model_name: str, params: int, added_bytes: int, widest: str, wide_modules: tuple[str, ...] = ()
+    ) -> None:
+        """``wide_modules``: modules already in ``widest`` that compute in it (no ``param_dtype``, no override)."""
         with self._lock:
             first, self._warned = not self._warned, True
         if first and params and (not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0):
+            # Note: the fp32-module hint is given only where such modules exist: their outputs stay
+            # fp32, which a bf16 layer after them rejects (the model fails the same without FSDP).
+            wide = (
+                f" {', '.join(wide_modules[:3])}{', ...' if len(wide_modules) > 3 else ''} compute in {widest} and "
+                f"hand {widest} to the next layer; if that fails ('expected m1 and m2 to have the same dtype'), "
+                "cast at their boundaries: launch with --compute-in-loaded-dtype CLASS (e.g. LlamaRMSNorm; 'auto' "
+                "for transformers' _keep_in_fp32_modules)."
+                if wide_modules
+                else ""
+            )
             logger.warning(
                 "torch_fsdp_ext: %d trainable parameter(s) of %s are now %s master weights (+%s bytes on this "
                 "rank, ~4x with gradients and Adam state); modules compute in the same dtypes as before. To keep "
-                "the loaded dtypes instead, launch with TORCH_FSDP_EXT_DTYPE_STRATEGY=preserve.",
-                params, model_name, widest, f"{added_bytes:,}",
+                "the loaded dtypes instead, launch with TORCH_FSDP_EXT_DTYPE_STRATEGY=preserve. The upcast happens "
+                "at the first forward; code that needs the final dtypes before it (an EMA copy, optimizer param "
+                "groups by dtype) calls torch_fsdp_ext.upcast_now(model) first.%s",
+                params, model_name, widest, f"{added_bytes:,}", wide,
             )
+
+
+def modules_computing_in(groups: list[tuple[Any, list[ParamEntry]]], dtype: torch.dtype) -> tuple[str, ...]:
+    """FQNs of the modules whose trainable parameters are ``dtype`` and compute in it (no cast, no override)."""
+    modules = []
+    for group, entries in groups:
+        for p in entries:
+            if (
+                p.tensor.dtype == dtype
+                and _compat.param_mp_policy(group, p.handle).param_dtype is None
+                and _compute_dtype.compute_dtype_of(p.handle) is None
+            ):
+                module = p.name.rpartition(".")[0] or "<root>"
+                if module not in modules:
+                    modules.append(module)
+    return tuple(modules)
 
 
 UPCAST_COST: UpcastCost = globals().get("UPCAST_COST") or UpcastCost()
@@ -108,7 +139,9 @@ class UpcastStrategy:
                 params += len(group_casts)
                 changed.append((group, [p.name for p in group_casts]))
         if changed:
-            UPCAST_COST.warn_once(model_name, params, added, format_dtype(widest))
+            UPCAST_COST.warn_once(
+                model_name, params, added, format_dtype(widest), modules_computing_in(groups, widest)
+            )
         return changed
 
     def at_lazy_init(self, group: Any, plan: GroupDtypePlan, group_name: str) -> bool:

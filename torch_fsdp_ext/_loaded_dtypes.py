@@ -204,25 +204,63 @@ def save_loaded_dtypes(model: torch.nn.Module, checkpoint_dir: str | os.PathLike
     os.replace(path + ".tmp", path)
 
 
+class ExportError(ValueError):
+    """A checkpoint ``export`` cannot read: names the file and what is wrong with it."""
+
+
 def _read_sidecar(checkpoint_dir: str) -> tuple[str, dict[str, torch.dtype]]:
     path = os.path.join(checkpoint_dir, SIDECAR)
     try:
         with open(path) as f:
             record = json.load(f)
     except FileNotFoundError:
-        raise FileNotFoundError(
-            f"torch_fsdp_ext export: {checkpoint_dir} has no {SIDECAR}. Write it when saving the checkpoint: "
+        raise ExportError(
+            f"{path}: missing. Write it when saving the checkpoint: "
             f"torch_fsdp_ext.save_loaded_dtypes(model, checkpoint_dir) next to dcp.save(...)."
         ) from None
-    if record.get("format") != _SIDECAR_FORMAT:
-        raise ValueError(f"torch_fsdp_ext export: {path} is not a loaded-dtypes file of this plugin")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExportError(f"{path}: unreadable ({e}); write it again with torch_fsdp_ext.save_loaded_dtypes") from None
+    if not isinstance(record, dict) or record.get("format") != _SIDECAR_FORMAT:
+        raise ExportError(f"{path}: not a loaded-dtypes file of this plugin (no format {_SIDECAR_FORMAT!r})")
+    if not isinstance(record.get("key"), str) or not isinstance(record.get("dtypes"), dict):
+        raise ExportError(f"{path}: incomplete (needs a string 'key' and a 'dtypes' object)")
     dtypes = {}
     for fqn, name in record["dtypes"].items():
-        dtype = getattr(torch, name, None)
+        dtype = getattr(torch, str(name), None)
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"torch_fsdp_ext export: {path}: unknown dtype {name!r} for {fqn}")
+            raise ExportError(f"{path}: unknown dtype {name!r} for {fqn}")
         dtypes[fqn] = dtype
     return record["key"], dtypes
+
+
+def _read_metadata(checkpoint_dir: str, reader: Any) -> Any:
+    path = os.path.join(checkpoint_dir, ".metadata")
+    if not os.path.isfile(path):
+        raise ExportError(f"{path}: missing; {checkpoint_dir} is not a complete DCP checkpoint (dcp.save writes it last)")
+    try:
+        return reader.read_metadata()
+    except Exception as e:  # unpickling a damaged file raises anything
+        raise ExportError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def _check_storage(checkpoint_dir: str, metadata: Any, names: set[str]) -> None:
+    """Every file that holds bytes of ``names`` exists and is long enough, before anything is written.
+
+    Note: read from the metadata's ``storage_data`` (index -> relative path, offset, length), so
+    a missing or truncated shard is named here instead of failing inside ``dcp.load``.
+    """
+    needed: dict[str, int] = {}
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        if getattr(index, "fqn", None) in names:
+            relative = info.relative_path
+            needed[relative] = max(needed.get(relative, 0), info.offset + info.length)
+    for relative, end in sorted(needed.items()):
+        path = os.path.join(checkpoint_dir, relative)
+        if not os.path.isfile(path):
+            raise ExportError(f"{path}: missing (the checkpoint's .metadata lists it)")
+        size = os.path.getsize(path)
+        if size < end:
+            raise ExportError(f"{path}: truncated ({size} bytes; the checkpoint's .metadata needs {end})")
 
 
 _SAFETENSORS_DTYPES = {
@@ -242,18 +280,22 @@ def export(checkpoint_dir: str, out_dir: str, *, filename: str = "model.safetens
 
     key, dtypes = _read_sidecar(checkpoint_dir)
     reader = dcp.FileSystemReader(checkpoint_dir)
-    stored = reader.read_metadata().state_dict_metadata
+    metadata = _read_metadata(checkpoint_dir, reader)
+    stored = metadata.state_dict_metadata
     entries, offset = [], 0
     for fqn, dtype in dtypes.items():
         name = f"{key}.{fqn}" if key else fqn
         meta = stored.get(name)
         if meta is None or not hasattr(meta, "size"):
-            raise KeyError(f"torch_fsdp_ext export: {checkpoint_dir} holds no tensor {name!r}")
+            raise ExportError(
+                f"{os.path.join(checkpoint_dir, SIDECAR)}: names {fqn!r}, but the checkpoint holds no tensor {name!r}"
+            )
         if dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"torch_fsdp_ext export: safetensors has no dtype for {fqn} ({dtype})")
+            raise ExportError(f"safetensors has no dtype for {fqn} ({dtype})")
         nbytes = meta.size.numel() * dtype.itemsize
         entries.append((fqn, name, meta, dtype, offset, offset + nbytes))
         offset += nbytes
+    _check_storage(checkpoint_dir, metadata, {name for _, name, *_ in entries})
     header = {"__metadata__": {"format": "pt"}}
     for fqn, _, meta, dtype, start, end in entries:
         header[fqn] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(meta.size), "data_offsets": [start, end]}
@@ -262,14 +304,26 @@ def export(checkpoint_dir: str, out_dir: str, *, filename: str = "model.safetens
 
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, filename)
-    with open(path + ".tmp", "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for _, name, meta, dtype, _, _ in entries:
-            master = {name: torch.empty(meta.size, dtype=meta.properties.dtype)}
-            dcp.load(master, storage_reader=reader, no_dist=True)
-            tensor = master.pop(name).to(dtype).contiguous().reshape(-1)
-            f.write(memoryview(tensor.view(torch.uint8).numpy()))
-            del tensor
-    os.replace(path + ".tmp", path)
+    # Note: written under a temporary name beside the output and renamed only when complete,
+    # so an existing output is never replaced by a partial one; any failure removes it.
+    partial = os.path.join(out_dir, f".{filename}.{os.getpid()}.partial")
+    try:
+        with open(partial, "wb") as f:
+            f.write(struct.pack("<Q", len(encoded)))
+            f.write(encoded)
+            for _, name, meta, dtype, _, _ in entries:
+                master = {name: torch.empty(meta.size, dtype=meta.properties.dtype)}
+                try:
+                    dcp.load(master, storage_reader=reader, no_dist=True)
+                except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
+                    reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                    raise ExportError(f"{checkpoint_dir}: reading {name!r} failed ({reason})") from None
+                tensor = master.pop(name).to(dtype).contiguous().reshape(-1)
+                f.write(memoryview(tensor.view(torch.uint8).numpy()))
+                del tensor
+        os.replace(partial, path)
+    except BaseException:
+        os.unlink(partial)
+        raise
     return path
+

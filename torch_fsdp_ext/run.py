@@ -4,6 +4,7 @@
     accelerate launch -m torch_fsdp_ext.run train.py --lr 1e-4
     python -m torch_fsdp_ext.run [--dtype-strategy STRATEGY] train.py ARGS...
     python -m torch_fsdp_ext.run --compute-in-loaded-dtype LlamaRMSNorm,lm_head train.py ARGS...
+    python -m torch_fsdp_ext.run --compute-in-loaded-dtype auto train.py ARGS...
     python -m torch_fsdp_ext.run -m package.module ARGS...
 
 Imports the plugin (which installs the fixes this torch needs), then runs the script
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         "--compute-in-loaded-dtype",
         metavar="MODULES",
         help="comma-separated module class names / FQN globs whose parameters compute in their loaded dtype in "
-        "every FSDP group (as TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE; docs/compute-dtype.md)",
+        "every FSDP group, with casts at their boundaries; 'auto': the fp32-loaded modules a transformers model's "
+        "_keep_in_fp32_modules(_strict) lists name (as TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE; docs/compute-dtype.md)",
     )
     parser.add_argument("-m", dest="as_module", action="store_true", help="run a module, like python -m")
     parser.add_argument("target", nargs="?", metavar="SCRIPT", help="the script (or, with -m, the module) to run")
