@@ -311,7 +311,7 @@ Fix: install the plugin with dtype_strategy='upcast' to keep fp32 master weights
         if self.rank == 0:
             self.assertExpectedInline(
                 "\n".join(warned),
-                """torch_fsdp_ext: 2 trainable parameter(s) of Sequential are now float32 master weights (+20 bytes on this rank, ~4x with gradients and Adam state); modules compute in the same dtypes as before. To keep the loaded dtypes instead, launch with TORCH_FSDP_EXT_DTYPE_STRATEGY=preserve. The upcast happens at the first forward; code that needs the final dtypes before it (an EMA copy, optimizer param groups by dtype) calls torch_fsdp_ext.upcast_now(model) first.""",
+                """torch_fsdp_ext: 2 trainable parameter(s) of Sequential are now float32 master weights (+20 bytes on this rank, ~4x with gradients and Adam state); modules compute in the same dtypes as before. To keep the loaded dtypes instead, launch with TORCH_FSDP_EXT_DTYPE_STRATEGY=preserve. The upcast happens when an optimizer takes the model's parameters, or at its first forward or state-dict call if that comes first; code that needs the final dtypes earlier (an EMA copy, optimizer param groups by dtype) calls torch_fsdp_ext.upcast_now(model) first.""",
             )
         else:
             self.assertEqual(warned, [])

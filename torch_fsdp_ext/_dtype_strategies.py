@@ -82,8 +82,9 @@ class UpcastCost:
                 "torch_fsdp_ext: %d trainable parameter(s) of %s are now %s master weights (+%s bytes on this "
                 "rank, ~4x with gradients and Adam state); modules compute in the same dtypes as before. To keep "
                 "the loaded dtypes instead, launch with TORCH_FSDP_EXT_DTYPE_STRATEGY=preserve. The upcast happens "
-                "at the first forward; code that needs the final dtypes before it (an EMA copy, optimizer param "
-                "groups by dtype) calls torch_fsdp_ext.upcast_now(model) first.%s",
+                "when an optimizer takes the model's parameters, or at its first forward or state-dict call if "
+                "that comes first; code that needs the final dtypes earlier (an EMA copy, optimizer param groups by "
+                "dtype) calls torch_fsdp_ext.upcast_now(model) first.%s",
                 params, model_name, widest, f"{added_bytes:,}", wide,
             )
 
