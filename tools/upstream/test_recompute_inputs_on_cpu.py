@@ -238,6 +238,7 @@ class TestRecomputeInputsOnCPU(FSDPExtTestCase):
                 with self.assertWarnsRegex(UserWarning, NO_REPLAY_WARNING):
                     loss.backward()
                 self.assertEqual(model.input_moved, [True, False])  # forward, recomputation
+                self.assertEqual(record_count(model), 0)  # block 0's move in the recomputation included
                 return
             if checkpointed == "root":
                 checkpoint(model, inp, use_reentrant=False).sum().backward()
