@@ -1,31 +1,36 @@
 """Prove that each upstream PR alone fixes its failure, without touching the installed torch.
 
     python tools/upstream/check.py            # on torch 2.15.0, the release the patches are against
-    python tools/upstream/check.py -k parity  # extra pytest arguments go to every run
-    python tools/upstream/check.py --upstream-tree DIR  # also PR 1's version for upstream 010ae4a8
+    python tools/upstream/check.py -k parity  # extra pytest arguments go to every patched run
 
 For each patch in ``PATCHES``:
 
 1. copies the installed torch's FSDP2 package (``torch/distributed/fsdp/_fully_shard``)
-   into a temporary directory,
-2. checks that the patch applies (``git apply --check``) and applies it there (the
-   patch also adds its test file under ``test/distributed/_composable/fsdp/``),
-3. runs, with FSDP2 imported from the patched copy (a ``sitecustomize`` there redirects
-   ``torch.distributed.fsdp._fully_shard`` in every test process) and the plugin
-   disabled: the patch's own test file as torch's harness runs it (only with an
-   accelerator: see ``NO_ACCELERATOR``), the same test classes on CPU with gloo
-   (``test_on_cpu.py``), and the patch's project tests. Tests of the plugin's own
-   machinery are skipped in that run (``plugin_specific`` in test/common.py).
+   into a temporary directory, with the patch's test frames (``Patch.frames``: stand-ins for
+   the upstream test files its test hunks change, which are not shipped with torch),
+2. checks that the patch applies (``git apply --check``); for a patch with
+   ``unpatched_error``, applies only its test hunks first and runs its test classes on the
+   unpatched FSDP2: each test must fail with that error,
+3. applies the patch and runs, with FSDP2 imported from the patched copy (a
+   ``sitecustomize`` there redirects ``torch.distributed.fsdp._fully_shard`` in every test
+   process) and the plugin disabled: the patch's test file as torch's harness runs it (only
+   with an accelerator: see ``NO_ACCELERATOR``), the same test classes on CPU with gloo
+   (``test_on_cpu.py``), and the patch's project tests. Tests of the plugin's own machinery
+   are skipped in that run (``plugin_specific`` in test/common.py).
 
-With ``--upstream-tree``, it also runs PR 1's version for the upstream sources
-(``UPSTREAM_PR1``): on a copy of those sources, ``test_train_parity`` must fail unpatched
-with the original-dtype assertion and the whole test file must pass patched.
+Then:
 
-Then it applies PR 2's previous version (``PREVIOUS_PR2``) to a fresh copy and runs the review
-cases 1(a)-(c) and 2 of ``test_recompute_inputs_on_cpu.py`` there: each must fail (they pass on PR 2).
-Finally it checks that the patches also apply one after the other (the stack).
-Exits non-zero if any step of any patch fails; the summary names each failed step and
-test (with its exception line, e.g. a rank's assertion or a timeout) and how long each step took.
+- ``PREVIOUS_PR2``: PR 2's earlier versions, each applied to a fresh copy, with the cases
+  its review found (in ``test_recompute_inputs_on_cpu.py``): each case must fail there (they
+  pass on PR 2);
+- the review cases on the installed, unpatched torch: each must pass, i.e. PR 2 gives what
+  unpatched torch gives (``UNPATCHED_EQUAL``);
+- the stack: the patches apply one after the other on one copy;
+- for information only (never a failure): torch's gloo teardown abort, counted by
+  ``gloo_exit_abort_repro.py --runs GLOO_RUNS`` if that script is present.
+
+Exits non-zero if any step fails; the summary names each failed step and test (with its
+exception line, e.g. a rank's assertion or a timeout) and how long each step took.
 
 Timeouts are explicit and generous, since CI machines may be loaded: each
 multi-process test (all subtests of a torch-style test run in one) may take
@@ -35,8 +40,6 @@ multi-process test (all subtests of a torch-style test run in one) may take
 from __future__ import annotations
 
 import argparse
-import glob
-import hashlib
 import os
 import re
 import shutil
@@ -52,29 +55,38 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 PACKAGE = "torch/distributed/fsdp/_fully_shard"
 BASE_RELEASE = "2.15.0"
 # Seconds one multi-process test may run (torch's default is 300; a torch-style test with
-# all its subtests takes about 2 minutes on a loaded 2-core machine).
+# all its subtests takes about a minute on a loaded 2-core machine).
 TEST_TIMEOUT_S = 900
 
 
 class Patch(NamedTuple):
     file: str  # in tools/upstream/
-    upstream_test: str  # the test file the patch adds, relative to torch's repository root
+    upstream_test: str  # the test file the patch changes, relative to torch's repository root
     project_tests: tuple[str, ...]  # relative to this repository's root
     # Whether the upstream test's devices only stand for ranks: then test_on_cpu.py runs
     # its skip_if_lt_x_gpu(n) tests with n gloo ranks on CPU
     ranks_for_devices: bool
+    # Test files the patch changes (relative to torch's repository root), each with the
+    # stand-in in tools/upstream/ that is laid there before the patch is applied
+    frames: tuple[tuple[str, str], ...] = ()
+    # The error each of the patch's tests must fail with on unpatched FSDP2; None: not run
+    unpatched_error: str | None = None
 
+
+MIXED_PRECISION_TEST = "test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py"
 
 # The stack, in order. Project tests: PR 1 has the semantics of dtype_strategy="preserve"
 # (test_preserve.py; test_dtype.py tests the plugin's upcast, which the native patch does
 # not do); PR 2 replays the root's input move (test_recompute.py, and the CPU version of
-# its own test's scenarios).
+# its own test's scenarios and of its reviews' cases).
 PATCHES = (
     Patch(
         "pr1-mixed-orig-dtypes.patch",
-        "test/distributed/_composable/fsdp/test_fully_shard_mixed_dtype.py",
+        MIXED_PRECISION_TEST,
         ("test/test_preserve.py",),
         ranks_for_devices=True,
+        frames=((MIXED_PRECISION_TEST, "frame_test_fully_shard_mixed_precision.py"),),
+        unpatched_error="FSDP expects uniform original parameter dtype",
     ),
     Patch(
         "pr2-recompute-root-input-move.patch",
@@ -84,43 +96,22 @@ PATCHES = (
     ),
 )
 
-# PR 1 against the newest upstream sources the reference index holds (pytorch/pytorch at
-# UPSTREAM_COMMIT; there ``foreach_reduce`` still takes ``orig_dtype`` and asserts one gradient
-# dtype, which v2.15.0 replaced). Only the three files the patch changes are stored at that
-# commit, so the copy it runs against is v2.12.1's package (the closest release to them) with
-# those three files over it, on the installed torch (2.15.0: it has
-# ``fsdp::chunk_cat_mixed_dtype``, which the patch reuses). They are not in this repository:
-# ``--upstream-tree DIR`` names a directory holding them (``UPSTREAM_FILES`` has their
-# hashes); without it this step is reported as not run.
-UPSTREAM_PR1 = Patch(
-    "pr1-mixed-orig-dtypes-upstream.patch",
-    "test/distributed/_composable/fsdp/test_fully_shard_mixed_dtype.py",
-    (),
-    ranks_for_devices=True,
-)
-UPSTREAM_COMMIT = "010ae4a89516fa3be548ab16dff711414ec12d0b"
-UPSTREAM_FILES = {
-    "_fsdp_collectives.py": "9014bf2174765b492040af86b0b3b4bd6e55b8ddac7e0ff8d0eac2b2a9fba35c",
-    "_fsdp_param.py": "ef0d91a4734eb11353bb52108814c4e8534f6082415c73d2823692bf166ccbcd",
-    "_fsdp_param_group.py": "640f5a81c28ea88a7e76ca896b672390157a7c7701028ef6dc271b85bd3f1687",
-}
-UPSTREAM_REST_RELEASE = "2.12.1"  # .ci/run's venv for it holds the package
-# torch 2.15.0's torch.distributed.fsdp imports this from the package; v2.12.1's lacks it
-UPSTREAM_REST_STAND_IN = (
-    "\n\nclass GradientReductionHandle:  # written by check.py for torch 2.15.0's imports\n"
-    "    pass\n"
-)
-# The unpatched upstream copy must fail these with the original-dtype assertion
-UPSTREAM_UNPATCHED_CASES = "test_train_parity and not bf16"
-
-# PR 2's previous design (v3), kept to show that the cases its review found are the new
-# tests' failures: each of these (cases 1(a)-(c) and 2) must fail against it and pass against
-# PR 2. Case 2 counts in its flat form (only the root sharded), where v3 trains on silently
-# with another mask; with the blocks sharded too, v3 raises for it (loud, as PR 2 must be).
-PREVIOUS_PR2 = "pr2-recompute-root-input-move-v3.patch"
+# PR 2's previous versions, kept to show that the cases each review found are the new
+# tests' failures: each selected test must fail against that version and pass against PR 2.
+# v3: cases 1(a)-(c) and 2 of its review (case 2 in its flat form, only the root sharded,
+# where v3 trains on silently with another mask). v4: the three cases of its review where
+# it raised and unpatched torch runs, and the bound on its records.
 REVIEW_CASES_TEST = "tools/upstream/test_recompute_inputs_on_cpu.py"
-REVIEW_CASE_PREFIXES = ("review_1", "review_2_root")
-REVIEW_CASES = "test_review_case and (" + " or ".join(REVIEW_CASE_PREFIXES) + ")"
+PREVIOUS_PR2 = {
+    "pr2-recompute-root-input-move-v3.patch": ("test_review_case_case_review_1", "test_review_case_case_review_2_root"),
+    "pr2-recompute-root-input-move-v4.patch": ("test_review_v4_case", "test_records_bounded"),
+}
+# On the installed torch, which PR 2 must equal there
+UNPATCHED_EQUAL = "test_review_case or test_review_v4_case or test_records_bounded"
+
+GLOO_REPRO = "gloo_exit_abort_repro.py"
+GLOO_RUNS = 3
+GLOO_TIMEOUT_S = 300
 
 REDIRECT = '''\
 # Written by tools/upstream/check.py: import FSDP2 from the patched copy next to this file.
@@ -168,13 +159,19 @@ def copy_package(tmp: str) -> None:
     shutil.copytree(installed_package(), os.path.join(tmp, PACKAGE), ignore=shutil.ignore_patterns("__pycache__"))
 
 
-def apply(patch_file: str, tmp: str) -> bool:
+def lay_frames(patch: Patch, tmp: str) -> None:
+    for target, frame in patch.frames:
+        os.makedirs(os.path.dirname(os.path.join(tmp, target)), exist_ok=True)
+        shutil.copy(os.path.join(HERE, frame), os.path.join(tmp, target))
+
+
+def apply(patch_file: str, tmp: str, *git_apply_args: str) -> bool:
     path = os.path.join(HERE, patch_file)
-    check = subprocess.run(["git", "apply", "--check", path], cwd=tmp, capture_output=True, text=True)
+    check = subprocess.run(["git", "apply", "--check", *git_apply_args, path], cwd=tmp, capture_output=True, text=True)
     if check.returncode != 0:
         print(f"{patch_file} does not apply to this torch's FSDP2 sources ({installed_package()}):\n{check.stderr}")
         return False
-    subprocess.run(["git", "apply", path], cwd=tmp, check=True)
+    subprocess.run(["git", "apply", *git_apply_args, path], cwd=tmp, check=True)
     return True
 
 
@@ -183,46 +180,68 @@ def apply(patch_file: str, tmp: str) -> bool:
 EXCEPTION_LINE = re.compile(r"^\s*(?:E\s+)?((?:\w+\.)*\w*(?:Error|Exception)\w*: .*)$", re.MULTILINE)
 
 
-def failed_tests(junit_xml: str) -> list[str]:
-    """The failed tests of a pytest run, each with its (last) exception line."""
+def test_results(junit_xml: str) -> dict[str, str | None]:
+    """Each test of a pytest run: None if it passed or was skipped, else its (last) exception line."""
     if not os.path.exists(junit_xml):
-        return []
-    failed = []
+        return {}
+    results: dict[str, str | None] = {}
     for case in ET.parse(junit_xml).iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        results[name] = None
         for problem in (*case.iter("failure"), *case.iter("error")):
             text = f"{problem.get('message') or ''}\n{problem.text or ''}"
-            reason = (EXCEPTION_LINE.findall(text) or text.strip().splitlines() or [""])[-1]
-            failed.append(f"{case.get('classname')}::{case.get('name')} ({reason.strip()[:200]})")
-    return failed
+            results[name] = (EXCEPTION_LINE.findall(text) or text.strip().splitlines() or [""])[-1].strip()[:200]
+    return results
 
 
-def patched_env(patch: Patch, tmp: str) -> dict[str, str]:
-    """The environment of a test run against FSDP2 patched with ``patch`` in ``tmp``."""
-    with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
-        f.write(REDIRECT)
+def test_env(tmp: str | None, patch: Patch | None = None, patched: bool = True) -> dict[str, str]:
+    """The environment of a test run against FSDP2 patched in ``tmp`` (the installed one if not
+    ``patched``), with ``patch``'s test file (in ``tmp``) for ``test_on_cpu.py``."""
+    if patched:
+        with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
+            f.write(REDIRECT)
     env = dict(
         os.environ,
         TORCH_FSDP_EXT_DISABLE="1",
         TORCH_FSDP_EXT_TESTS_UPSTREAM_ONLY="1",
         TORCH_FSDP_EXT_TEST_TIMEOUT=str(TEST_TIMEOUT_S),
-        UPSTREAM_TEST_FILE=os.path.join(tmp, patch.upstream_test),
-        UPSTREAM_TEST_RANKS_FOR_DEVICES="1" if patch.ranks_for_devices else "0",
         PYTORCH_PRINT_REPRO_ON_FAILURE="0",
     )
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (tmp, ROOT, os.environ.get("PYTHONPATH")) if p)
+    if patch is not None:
+        env["UPSTREAM_TEST_FILE"] = os.path.join(tmp, patch.upstream_test)
+        env["UPSTREAM_TEST_RANKS_FOR_DEVICES"] = "1" if patch.ranks_for_devices else "0"
+    python_path = (tmp if patched else None, ROOT, os.environ.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in python_path if p)
     return env
+
+
+def pytest(tests: list[str], env: dict[str, str], junit_xml: str, pytest_args: list[str]) -> dict[str, str | None]:
+    """Runs ``tests``; returns each test's result (see ``test_results``)."""
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "--tb=short", f"--junitxml={junit_xml}", *tests, *pytest_args],
+        cwd=ROOT, env=env,
+    )
+    return test_results(junit_xml)
 
 
 def run_tests(tests: list[str], env: dict[str, str], junit_xml: str, pytest_args: list[str]) -> list[str]:
     """Runs ``tests`` with pytest; returns the failed tests (empty when all passed)."""
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", f"--junitxml={junit_xml}", *tests, *pytest_args],
-        cwd=ROOT, env=env,
-    )
-    if run.returncode == 0:
-        return []
-    return [f"pytest: {test}" for test in failed_tests(junit_xml)] or [
-        f"pytest exited with status {run.returncode} and reported no failed test"
+    results = pytest(tests, env, junit_xml, pytest_args)
+    if not results:
+        return ["pytest reported no test"]
+    return [f"pytest: {name} ({reason})" for name, reason in results.items() if reason is not None]
+
+
+def must_fail(results: dict[str, str | None], where: str, error: str | None = None) -> list[str]:
+    """The tests of ``results`` that did not fail (with ``error`` if given) on ``where``."""
+    for name, reason in results.items():
+        print(f"  {name}: {'PASSES' if reason is None else 'fails'} on {where} {f'({reason})' if reason else ''}")
+    if not results:
+        return [f"no test ran on {where}"]
+    return [
+        f"{name} does not fail{f' with {error!r}' if error else ''} on {where}"
+        for name, reason in results.items()
+        if reason is None or (error is not None and error not in reason)
     ]
 
 
@@ -234,110 +253,59 @@ def check_patch(patch: Patch, pytest_args: list[str]) -> list[str]:
         return [f"project tests missing from this checkout: {', '.join(missing)}"]
     with tempfile.TemporaryDirectory() as tmp:
         copy_package(tmp)
-        if not apply(patch.file, tmp):
+        lay_frames(patch, tmp)
+        on_cpu = [os.path.join(HERE, "test_on_cpu.py")]
+        failed = []
+        if patch.unpatched_error is not None:
+            if not apply(patch.file, tmp, "--include=test/*"):
+                return ["git apply (its tests)"]
+            print(f"its tests on the unpatched FSDP2 ({installed_package()}): each must fail")
+            unpatched = pytest(
+                on_cpu, test_env(tmp, patch, patched=False), os.path.join(tmp, "unpatched.xml"), ["--tb=no"]
+            )
+            failed += must_fail(unpatched, "unpatched torch", patch.unpatched_error)
+            if not apply(patch.file, tmp, "--exclude=test/*"):
+                return [*failed, "git apply (its FSDP2 changes)"]
+        elif not apply(patch.file, tmp):
             return ["git apply"]
-        env = patched_env(patch, tmp)
-        upstream_test = env["UPSTREAM_TEST_FILE"]
+        env = test_env(tmp, patch)
         where = subprocess.run(
             [sys.executable, "-c", "import torch.distributed.fsdp._fully_shard._fsdp_state as m; print(m.__file__)"],
             env=env, capture_output=True, text=True,
         )
         if where.returncode != 0 or not where.stdout.strip().startswith(tmp):
-            return [f"import from the patched copy: {where.stdout.strip() or where.stderr.strip()[-500:]}"]
+            return [*failed, f"import from the patched copy: {where.stdout.strip() or where.stderr.strip()[-500:]}"]
         print(f"applies; FSDP2 imported from the patched copy: {where.stdout.strip()}")
-        tests = [os.path.join(HERE, "test_on_cpu.py"), *(os.path.join(ROOT, t) for t in patch.project_tests)]
+        tests = [*on_cpu, *(os.path.join(ROOT, t) for t in patch.project_tests)]
         if accelerator_count() > 0:
-            tests.insert(0, upstream_test)  # as torch's CI runs it
+            tests.insert(0, env["UPSTREAM_TEST_FILE"])  # as torch's CI runs it
         else:
             print(f"{patch.upstream_test} as torch's harness runs it: not run, {NO_ACCELERATOR}")
-        return run_tests(tests, env, os.path.join(tmp, "junit.xml"), pytest_args)
+        return failed + run_tests(tests, env, os.path.join(tmp, "junit.xml"), pytest_args)
 
 
-def release_package(release: str) -> str | None:
-    cache = os.environ.get("TORCH_FSDP_EXT_CACHE", os.path.expanduser("~/.cache/torch_fsdp_ext"))
-    found = glob.glob(os.path.join(cache, f"venv-{release}", "lib", "python3*", "site-packages", PACKAGE))
-    return found[0] if found else None
-
-
-def copy_upstream_package(upstream_tree: str, tmp: str) -> str | None:
-    """Builds the upstream copy in ``tmp``; returns why it cannot be built, or None."""
-    rest = release_package(UPSTREAM_REST_RELEASE)
-    if rest is None:
-        return f"no torch {UPSTREAM_REST_RELEASE} venv under the cache (.ci/run makes it)"
-    target = os.path.join(tmp, PACKAGE)
-    shutil.copytree(rest, target, ignore=shutil.ignore_patterns("__pycache__"))
-    for name, sha256 in UPSTREAM_FILES.items():
-        path = os.path.join(upstream_tree, name)
-        if not os.path.exists(path):
-            return f"{path} is missing"
-        with open(path, "rb") as f:
-            if hashlib.sha256(f.read()).hexdigest() != sha256:
-                return f"{path} is not {name} at {UPSTREAM_COMMIT} (sha256 differs)"
-        shutil.copy(path, target)
-    with open(os.path.join(target, "__init__.py"), "a") as f:
-        f.write(UPSTREAM_REST_STAND_IN)
-    return None
-
-
-def check_upstream_pr1(upstream_tree: str | None, pytest_args: list[str]) -> list[str] | None:
-    """PR 1 on the upstream sources: fails unpatched, passes patched. None when not run."""
-    patch = UPSTREAM_PR1
-    print(f"\n=== {patch.file}: against pytorch/pytorch {UPSTREAM_COMMIT[:8]}")
-    if upstream_tree is None:
-        print(f"not run: no --upstream-tree (the files of {UPSTREAM_COMMIT[:8]} it changes are not shipped here)")
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        why_not = copy_upstream_package(upstream_tree, tmp)
-        if why_not:
-            return [f"upstream copy: {why_not}"]
-        subprocess.run(["git", "apply", "--include=test/*", os.path.join(HERE, patch.file)], cwd=tmp, check=True)
-        env = patched_env(patch, tmp)
-        junit_xml = os.path.join(tmp, "unpatched.xml")
-        subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "--tb=no", f"--junitxml={junit_xml}",
-             os.path.join(HERE, "test_on_cpu.py"), "-k", UPSTREAM_UNPATCHED_CASES, *pytest_args],
-            cwd=ROOT, env=env,
-        )
-        unpatched = list(ET.parse(junit_xml).iter("testcase")) if os.path.exists(junit_xml) else []
-        reasons = failed_tests(junit_xml)
-        print(f"unpatched: {len(reasons)} of {len(unpatched)} fail: {sorted({r[r.find(' ('):] for r in reasons})}")
-        if not unpatched or len(reasons) != len(unpatched) or not all(
-            "uniform original parameter dtype" in reason for reason in reasons
-        ):
-            return ["the unpatched upstream copy does not fail with the original-dtype assertion"]
-        subprocess.run(["git", "apply", "--exclude=test/*", os.path.join(HERE, patch.file)], cwd=tmp, check=True)
-        return run_tests([os.path.join(HERE, "test_on_cpu.py")], env, os.path.join(tmp, "junit.xml"), pytest_args)
-
-
-def check_previous_pr2(pytest_args: list[str]) -> list[str]:
-    """The review cases fail against PR 2's previous design: returns those that did not."""
-    print(f"\n=== {PREVIOUS_PR2}: the review cases must fail")
+def check_previous_pr2(previous: str, tests: tuple[str, ...]) -> list[str]:
+    """The review cases fail against a previous version of PR 2: returns those that did not."""
+    print(f"\n=== {previous}: its review's cases must fail")
     with tempfile.TemporaryDirectory() as tmp:
         copy_package(tmp)
-        if not apply(PREVIOUS_PR2, tmp):
+        if not apply(previous, tmp):
             return ["git apply"]
-        junit_xml = os.path.join(tmp, "junit.xml")
-        subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "--tb=no", f"--junitxml={junit_xml}",
-             os.path.join(ROOT, REVIEW_CASES_TEST),
-             "-k", REVIEW_CASES, *pytest_args],
-            cwd=ROOT, env=patched_env(PATCHES[1]._replace(file=PREVIOUS_PR2), tmp),
+        results = pytest(
+            [os.path.join(ROOT, REVIEW_CASES_TEST)], test_env(tmp), os.path.join(tmp, "junit.xml"),
+            ["--tb=no", "-k", " or ".join(tests)],
         )
-        if not os.path.exists(junit_xml):
-            return ["pytest wrote no report"]
-        cases = [
-            case for case in ET.parse(junit_xml).iter("testcase")
-            if any(prefix in case.get("name", "") for prefix in REVIEW_CASE_PREFIXES)
-        ]
-        failed = {case.get("name") for case in cases if any(True for _ in (*case.iter("failure"), *case.iter("error")))}
-        reasons = failed_tests(junit_xml)
-        for case in cases:
-            name = case.get("name")
-            reason = next((r for r in reasons if f"::{name} (" in r), "")
-            print(f"  {name}: {'fails' if name in failed else 'PASSES'} on {PREVIOUS_PR2} {reason[reason.find(' ('):]}")
-        if not cases:
-            return [f"no {REVIEW_CASES} ran"]
-        return [f"passes on {PREVIOUS_PR2}: {case.get('name')}" for case in cases if case.get("name") not in failed]
+        return must_fail(results, previous)
+
+
+def check_unpatched_equal() -> list[str]:
+    """PR 2's review cases on the installed torch: each must pass, as on PR 2."""
+    print(f"\n=== the review cases on unpatched torch ({installed_package()}): each must pass")
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_tests(
+            [os.path.join(ROOT, REVIEW_CASES_TEST)], test_env(None, patched=False), os.path.join(tmp, "junit.xml"),
+            ["-k", UNPATCHED_EQUAL],
+        )
 
 
 def check_stack() -> list[str]:
@@ -345,23 +313,39 @@ def check_stack() -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         copy_package(tmp)
         for patch in PATCHES:
+            lay_frames(patch, tmp)
             if not apply(patch.file, tmp):
                 return [f"{patch.file} on top of the ones before it"]
     print("applies")
     return []
 
 
+def report_gloo_exit_abort() -> str:
+    """The line of the gloo teardown-abort reproducer, or why it did not run (information only)."""
+    script = os.path.join(HERE, GLOO_REPRO)
+    if not os.path.exists(script):
+        return f"not run: no {GLOO_REPRO}"
+    try:
+        run = subprocess.run(
+            [sys.executable, script, "--runs", str(GLOO_RUNS)], cwd=ROOT, capture_output=True, text=True,
+            timeout=GLOO_TIMEOUT_S, env=dict(os.environ, TORCH_FSDP_EXT_DISABLE="1"),
+        )
+    except subprocess.TimeoutExpired:
+        return f"no result within {GLOO_TIMEOUT_S} s"
+    lines = [line for line in run.stdout.splitlines() if line.startswith("gloo exit abort:")]
+    return lines[-1] if lines else f"exit status {run.returncode}, no result line: {run.stderr.strip()[-300:]}"
+
+
 def timed(name: str, step, durations: dict[str, float]):
     start = time.monotonic()
-    failed = step()
+    result = step()
     durations[name] = time.monotonic() - start
-    return failed
+    return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--upstream-tree", help=f"a directory holding {', '.join(UPSTREAM_FILES)} at {UPSTREAM_COMMIT}")
-    args, pytest_args = parser.parse_known_args()  # everything else goes to pytest (e.g. -k parity)
+    _, pytest_args = parser.parse_known_args()  # everything else goes to pytest (e.g. -k parity)
     import torch
 
     if torch.__version__.split("+")[0] != BASE_RELEASE:
@@ -371,23 +355,21 @@ def main() -> int:
         patch.file: timed(patch.file, lambda patch=patch: check_patch(patch, pytest_args), durations)
         for patch in PATCHES
     }
-    not_run = []
-    upstream = timed(UPSTREAM_PR1.file, lambda: check_upstream_pr1(args.upstream_tree, pytest_args), durations)
-    if upstream is None:
-        not_run.append(UPSTREAM_PR1.file)
-    else:
-        failures[UPSTREAM_PR1.file] = upstream
-    failures[f"{PREVIOUS_PR2} (review cases fail)"] = timed(
-        f"{PREVIOUS_PR2} (review cases fail)", lambda: check_previous_pr2(pytest_args), durations
-    )
+    for previous, tests in PREVIOUS_PR2.items():
+        name = f"{previous} (its review's cases fail)"
+        failures[name] = timed(name, lambda previous=previous, tests=tests: check_previous_pr2(previous, tests), durations)
+    name = "review cases on unpatched torch (pass)"
+    failures[name] = timed(name, check_unpatched_equal, durations)
     failures["stack"] = timed("stack", check_stack, durations)
+    print(f"\n=== {GLOO_REPRO}, for information (not a check)")
+    gloo = timed(GLOO_REPRO, report_gloo_exit_abort, durations)
+    print(gloo)
     print(f"\n=== summary (each multi-process test may take {TEST_TIMEOUT_S} s)")
     for name, failed in failures.items():
         print(f"{name}: {'FAILED' if failed else 'ok'} ({durations[name]:.0f} s)")
         for what in failed:
             print(f"  failed: {what}")
-    for name in not_run:
-        print(f"{name}: not run (no --upstream-tree)")
+    print(f"{GLOO_REPRO} (information): {gloo} ({durations[GLOO_REPRO]:.0f} s)")
     return 1 if any(failures.values()) else 0
 
 

@@ -1,6 +1,6 @@
 """Runs an upstream PR's ``FSDPTest`` classes on CPU with gloo.
 
-    UPSTREAM_TEST_FILE=.../test_fully_shard_mixed_dtype.py python -m pytest tools/upstream/test_on_cpu.py
+    UPSTREAM_TEST_FILE=.../test_fully_shard_mixed_precision.py python -m pytest tools/upstream/test_on_cpu.py
 
 Note: torch's harness does not run these tests on a CPU-only machine. Their world size
 is ``min(n, device count)``, as in torch's FSDP tests, i.e. 0, so
