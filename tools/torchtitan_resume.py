@@ -228,7 +228,7 @@ def main() -> int:
     not_fp32 = [n for n, p in results["plugin", "resumed"]["params"].items() if p.dtype != torch.float32]
     print(f"torch {torch.__version__}, torchtitan {version('torchtitan')}, 2 gloo ranks, "
           f"{STEPS} steps, resume from step {RESUME_STEP}")
-    print("| comparison | losses (a/b) per step | losses | params equal | max abs diff | bit for bit |")
+    print("| comparison | rank-0 losses (a/b) per step | losses | params equal | max abs diff | bit for bit |")
     print("|---|---|---|---|---|---|")
     for row, _ in rows:
         print(row)
