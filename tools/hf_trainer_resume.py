@@ -2,10 +2,11 @@
 
     PYTHONPATH=. python tools/hf_trainer_resume.py
 
-Model: a 2-layer ``LlamaForCausalLM`` from a ``LlamaConfig`` (no download) in bf16 with its RMSNorm weights in fp32,
-trained by ``transformers.Trainer`` with ``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2, ...}``, no mixed
-precision (accelerate's case that meets FSDP's uniform-dtype assertion), AdamW, on 2 gloo ranks, 4 optimizer steps
-over a fixed token dataset.
+Model: peft LoRA (r=4 on ``q_proj``/``v_proj``, fp32 adapters) on an all-bf16 2-layer ``LlamaForCausalLM`` from a
+``LlamaConfig`` (no download), its RMSNorms trained as bf16 copies (``modules_to_save``): fp32 and bf16 trainable
+parameters in one FSDP group. ``transformers.Trainer`` trains it with ``fsdp="full_shard"``,
+``fsdp_config={"fsdp_version": 2, ...}`` and no mixed precision (accelerate's case that meets FSDP's uniform-dtype
+assertion), AdamW with a linear schedule, on 2 gloo ranks, 4 optimizer steps over a fixed token dataset.
 
 Two jobs with the plugin (``import torch_fsdp_ext`` on every rank): an uninterrupted 4-step run (``save_steps=2``,
 ``SHARDED_STATE_DICT``: accelerate's DCP checkpoints of model and optimizer) and a second run that resumes with
@@ -168,8 +169,9 @@ def main() -> int:
     row, exact = compare("plugin: resumed vs uninterrupted", results["resumed"], results["uninterrupted"],
                          range(RESUME_STEP + 1, STEPS + 1))
     not_fp32 = [n for n, p in results["resumed"]["trainable"].items() if p.dtype != torch.float32]
-    print(f"torch {torch.__version__}, transformers {version('transformers')}, accelerate {version('accelerate')}, peft {version('peft')}, "
-          f"2 gloo ranks, model {results['resumed']['fsdp']}, {STEPS} steps, resume from step {RESUME_STEP}")
+    print(f"torch {torch.__version__}, transformers {version('transformers')}, accelerate {version('accelerate')}, "
+          f"peft {version('peft')}, 2 gloo ranks, model {results['resumed']['fsdp']}, {STEPS} steps, "
+          f"resume from step {RESUME_STEP}")
     print("| comparison | rank-0 losses (a/b) per step | losses (both ranks) | params equal | max abs diff "
           "| bit for bit |")
     print("|---|---|---|---|---|---|")

@@ -148,7 +148,8 @@ def rank_job(variant: str, phase: str, folder: str, result_path: str) -> None:
     vocab = model.config.vocab_size
     losses = {}
     for step in range(first_step, STEPS + 1):
-        tokens = torch.randint(0, vocab, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1000 * step + rank))
+        generator = torch.Generator().manual_seed(1000 * step + rank)
+        tokens = torch.randint(0, vocab, (BATCH, SEQ_LEN + 1), generator=generator)
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1))
         loss.backward()
