@@ -106,9 +106,9 @@ class GroupDecision:
     layout: tuple | None  # (dtype, requires_grad) per parameter when last prepared; None: not prepared yet
     stays_mixed: bool = False
     upcast: bool = False  # its model's upcast changed it
-    # Note [Unfrozen later]: frozen parameters to upcast to ``watch_dtype`` once trainable, and
-    # frozen ones wider than it (an error once trainable).
-    watched: list = field(default_factory=list)
+    # Note [Unfrozen later]: frozen parameters to upcast to ``watch_dtype`` once trainable, each with
+    # its dtype while frozen (optimizer state made then is in it), and frozen ones wider than it.
+    watched: list = field(default_factory=list)  # (FSDPParam, dtype while frozen)
     watched_wider: list = field(default_factory=list)
     watch_dtype: Any = None
 
@@ -279,11 +279,17 @@ class DtypeFix:
             return
         for group, group_entries in entries:
             decision = group.__dict__[_DECISION_ATTR]
+            for fsdp_param, frozen_dtype in decision.watched:
+                if _compat.fsdp_param_is_trainable(fsdp_param):
+                    # Unfrozen since an earlier moment: state an optimizer made for it then is in frozen_dtype.
+                    _optimizer_state.remember_upcast(fsdp_param, frozen_dtype)
             frozen = [
                 e for e in group_entries
                 if not e.tensor.requires_grad and e.tensor.dtype != widest and cast_exclusion_reason(e.tensor) is None
             ]
-            decision.watched = [e.handle for e in frozen if torch.promote_types(e.tensor.dtype, widest) == widest]
+            decision.watched = [
+                (e.handle, e.tensor.dtype) for e in frozen if torch.promote_types(e.tensor.dtype, widest) == widest
+            ]
             decision.watched_wider = [e.handle for e in frozen if torch.promote_types(e.tensor.dtype, widest) != widest]
             decision.watch_dtype = widest
             if (decision.watched or decision.watched_wider) and not self._watching:
@@ -414,17 +420,19 @@ def _upcast_unfrozen(group: Any, decision: GroupDecision) -> None:
             "trainable before the first forward (or before torch_fsdp_ext.upcast_now(model)), or cast the model "
             "to one dtype before fully_shard (model.float())."
         )
-    unfrozen = [p for p in decision.watched if _compat.fsdp_param_is_trainable(p)]
+    unfrozen = [(p, dtype) for p, dtype in decision.watched if _compat.fsdp_param_is_trainable(p)]
     if not unfrozen:
         return
-    decision.watched = [p for p in decision.watched if not _compat.fsdp_param_is_trainable(p)]
+    decision.watched = [(p, dtype) for p, dtype in decision.watched if not _compat.fsdp_param_is_trainable(p)]
     logger.info(
         "torch_fsdp_ext: %s became trainable: now %s master weight(s)",
-        ", ".join(_compat.fsdp_param_name(p, 0) for p in unfrozen), format_dtype(decision.watch_dtype),
+        ", ".join(_compat.fsdp_param_name(p, 0) for p, _ in unfrozen), format_dtype(decision.watch_dtype),
     )
     _compat.reshard_group(group)  # what post_backward does first when it resharded after backward
-    for fsdp_param in unfrozen:
-        upcast_sharded_param(group, fsdp_param, decision.watch_dtype)
+    for fsdp_param, frozen_dtype in unfrozen:
+        # Note: optimizer state made while it was frozen (Adagrad's, at construction) is in the dtype it
+        # had then, even if the user cast it since; the step check compares against that one.
+        upcast_sharded_param(group, fsdp_param, decision.watch_dtype, state_dtype_before=frozen_dtype)
     _compat.redo_group_mp_dtypes(group)
 
 

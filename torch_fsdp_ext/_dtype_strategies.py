@@ -211,14 +211,16 @@ def upcast_param(group: Any, fsdp_param: Any, dtype: Any) -> None:
     upcast_sharded_param(group, fsdp_param, dtype)
 
 
-def upcast_sharded_param(group: Any, fsdp_param: Any, dtype: Any) -> None:
-    """``upcast_param`` for a parameter whose module holds its sharded parameter (FSDP's own)."""
+def upcast_sharded_param(group: Any, fsdp_param: Any, dtype: Any, state_dtype_before: Any = None) -> None:
+    """``upcast_param`` for a parameter whose module holds its sharded parameter (FSDP's own).
+
+    ``state_dtype_before``: the dtype of optimizer state made for it before (default: its dtype now)."""
     loaded = fsdp_param.sharded_param.dtype
     _loaded_dtypes.remember_loaded_dtype(fsdp_param, loaded)
     change_sharded_param_dtype(fsdp_param, dtype)
     if _compute_dtype.compute_dtype_of(fsdp_param) is None and _compat.param_mp_policy(group, fsdp_param).param_dtype is None:
         _compute_dtype.compute_in(group, fsdp_param, loaded)
-    _optimizer_state.remember_upcast(fsdp_param, loaded)
+    _optimizer_state.remember_upcast(fsdp_param, state_dtype_before or loaded)
 
 
 class PreserveStrategy:
