@@ -368,7 +368,7 @@ class TestReplayMechanics(RecomputeTestCase):
             self.assertEqual([o for o in gc.get_objects() if type(o).__name__ == "_CheckpointFrame"], [])
 
     def test_nothing_is_recorded_or_switched_where_nothing_is_replayed(self):
-        """No accelerator and a torch that casts in recompute: regions run torch's code, results as without the plugin."""
+        """No accelerator, a torch that casts in recompute: regions run torch's code, results as without the plugin."""
         if HAS_RECOMPUTE_CAST_BUG or _recompute.accelerator_available():
             with plugin(True):
                 self.assertTrue(torch_fsdp_ext._install._active["recompute"][0].records_regions)
