@@ -21,6 +21,7 @@ same loss, gradients and device RNG stream after backward.
 from __future__ import annotations
 
 import gc
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -28,6 +29,7 @@ from torch.testing._internal.common_utils import run_tests
 from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
+from torch_fsdp_ext import _compat
 from torch_fsdp_ext._recompute_records import FrameRecords
 
 from common import FSDPExtTestCase, full_grads, fully_shard, plugin, plugin_specific
@@ -143,9 +145,12 @@ class TestReviewCasesOfTheInputMoveReplay(FSDPExtTestCase):
 
     def test_4_records_do_not_grow_and_die_with_their_regions(self):
         live_records = []  # after the 50 plain forwards, with 3 checkpointed regions alive, after those are freed
+        rng_reads = []  # of the device's RNG state by the plugin, in the 50 plain forwards
 
         def forwards(model: Root, x: torch.Tensor) -> torch.Tensor:
-            kept = [model(x) for _ in range(50)]  # grad-enabled, no backward: nothing checkpointed
+            with mock.patch.object(_compat, "device_rng_state", wraps=_compat.device_rng_state) as read:
+                kept = [model(x) for _ in range(50)]  # grad-enabled, no backward: nothing checkpointed
+            rng_reads.append(read.call_count)
             live_records.append(live_frame_records())
             regions = [checkpoint(model, x, use_reentrant=False) for _ in range(3)]
             live_records.append(live_frame_records())
@@ -164,6 +169,7 @@ class TestReviewCasesOfTheInputMoveReplay(FSDPExtTestCase):
             self.assertEqual(live_frame_records(), 0)
             fix = torch_fsdp_ext._install._active["recompute"][0]
             self.assertEqual((fix.frames.stack, fix.frames.recompute), ([], None))
+        self.assertEqual(rng_reads, [0, 0])  # a forward outside every region costs the plugin nothing
         self.assertEqual(fixed["loss"], plain["loss"], atol=0, rtol=0)
         self.assertEqual(fixed["grads"], plain["grads"], atol=0, rtol=0)
         self.assertEqual(fixed["rng_after_backward"], plain["rng_after_backward"], atol=0, rtol=0)
