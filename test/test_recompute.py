@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import unittest
-from typing import Callable
+from typing import Callable, Iterator
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -13,7 +16,8 @@ from torch.testing._internal.common_utils import run_tests
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 import torch_fsdp_ext
-from torch_fsdp_ext import _compat
+from torch_fsdp_ext import _compat, _recompute
+from torch_fsdp_ext._recompute_records import FrameRecords
 
 from common import HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, MixedPrecisionPolicy, error_text, fully_shard, plugin, plugin_specific
 
@@ -126,6 +130,23 @@ class RecomputeTestCase(FSDPExtTestCase):
             else:
                 plain = self.run_flavour(build, step, autocast=autocast)
                 torch.testing.assert_close(plain, fixed, rtol=0, atol=0)
+
+
+@contextlib.contextmanager
+def plugin_with_accelerator() -> Iterator[None]:
+    """The plugin installed as on a machine with an accelerator, where its regions keep records.
+
+    Note: the tests that use it emulate on CPU what only an accelerator gives (an autocast that
+    checkpoint does not restore); without an accelerator, on a torch that casts in recompute by
+    itself, the plugin keeps no records at all (``RecomputeReplay.records_regions``).
+    """
+    with mock.patch.object(_recompute, "accelerator_available", lambda: True), plugin(True):
+        yield
+
+
+def live_frame_records() -> list[FrameRecords]:
+    gc.collect()
+    return [o for o in gc.get_objects() if type(o) is FrameRecords]
 
 
 def checkpoint_whole(model, x, checkpointed, **kwargs):
@@ -293,7 +314,7 @@ class TestReplayMechanics(RecomputeTestCase):
 
     def test_autocast_state_is_replayed(self):
         policy = MixedPrecisionPolicy(param_dtype=torch.float32)
-        with plugin(True):
+        with plugin_with_accelerator():
             def step(model, x, checkpointed):
                 if checkpointed:
                     return checkpoint(self._autocast_only_in_forward, model, x, use_reentrant=False)
@@ -314,7 +335,7 @@ class TestReplayMechanics(RecomputeTestCase):
 
         block = MLPBlock()
         block.dropout = FailsInRecompute()  # raises mid-forward, after the FSDP pre-forward replay
-        with plugin(True):
+        with plugin_with_accelerator():
             fix = torch_fsdp_ext._install._active["recompute"][0]
             model = sharded(block, MixedPrecisionPolicy(param_dtype=torch.float32))
             x = torch.randn(4, DIM, requires_grad=True)
@@ -330,9 +351,7 @@ class TestReplayMechanics(RecomputeTestCase):
             self.assertIsNone(fix.frames.recompute)
 
     def test_stash_lives_on_the_frame_and_holds_no_tensors(self):
-        import gc
-
-        with plugin(True):
+        with plugin_with_accelerator():
             model = sharded(Net(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
             x = torch.randn(4, DIM, requires_grad=True)
             out = checkpoint_blocks(model, x, True)
@@ -347,6 +366,37 @@ class TestReplayMechanics(RecomputeTestCase):
             del out, frames
             gc.collect()
             self.assertEqual([o for o in gc.get_objects() if type(o).__name__ == "_CheckpointFrame"], [])
+
+    def test_nothing_is_recorded_or_switched_where_nothing_is_replayed(self):
+        """No accelerator, a torch that casts in recompute: regions run torch's code, results as without the plugin."""
+        if HAS_RECOMPUTE_CAST_BUG or _recompute.accelerator_available():
+            with plugin(True):
+                self.assertTrue(torch_fsdp_ext._install._active["recompute"][0].records_regions)
+            self.skipTest("this torch skips the input cast in recompute, or this machine has an accelerator: "
+                          "regions keep records")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+        hooks_in_regions = []  # per region's forward and recomputation: FSDP's hooks are torch's own
+
+        def checked_block(block, x):
+            hooks_in_regions.append(all(cell.cell_contents is torch_method for cell, torch_method, _ in cells))
+            return block(x)
+
+        def step(model, x, checkpointed):
+            if not checkpointed:
+                return model(x)
+            out = model(x, run_block=lambda block, x: checkpoint(checked_block, block, x, use_reentrant=False))
+            self.assertEqual(live_frame_records(), [])  # three regions wait for their recomputation
+            return out
+
+        with plugin(True):
+            fix = torch_fsdp_ext._install._active["recompute"][0]
+            self.assertFalse(fix.records_regions)
+            cells = fix.switch.cells
+            fixed = self.run_flavour(lambda _: sharded(Net(), policy), step, autocast=True)
+        self.assertEqual(hooks_in_regions, [True] * 6)  # 3 blocks, forward and recomputation
+        with plugin(False):
+            plain = self.run_flavour(lambda _: sharded(Net(), policy), step, autocast=True)
+        torch.testing.assert_close(plain, fixed, rtol=0, atol=0)
 
 
 # Plugin-specific: the block has dropout, so upstream's replay of the move (PR 2) raises instead (its RNG check).

@@ -13,7 +13,10 @@ here. Without a GPU, ``StandInAccelerator`` plays that device on CPU:
   returns the stand-in, whose ``torch.Generator`` is the device's RNG;
 - ``DeviceDropout`` draws its mask from that generator, as dropout on a CUDA
   tensor draws from the CUDA generator. Checkpoint does not know the generator,
-  as it does not know a CUDA device's when every positional argument is on CPU.
+  as it does not know a CUDA device's when every positional argument is on CPU;
+- ``plugin_with_accelerator`` installs the plugin as on a machine with an
+  accelerator: without one (and on a torch that casts in recompute by itself)
+  its checkpoint regions keep no records (``RecomputeReplay.records_regions``).
 
 What the stand-in cannot show: plain torch's loud failure (on a real device the
 recomputation gets CPU inputs and fails with a device mismatch; here it only gets
@@ -34,7 +37,7 @@ import torch.nn as nn
 from torch.testing._internal.common_utils import run_tests
 from torch.utils.checkpoint import checkpoint
 
-from torch_fsdp_ext import _compat, _recompute_replay
+from torch_fsdp_ext import _compat, _recompute, _recompute_replay
 
 from common import FSDPExtTestCase, error_text, full_grads, fully_shard, plugin, plugin_specific
 
@@ -81,6 +84,13 @@ class StandInAccelerator:
             for state in states:
                 stack.enter_context(mock.patch.object(state, "_device", torch.device("cuda")))
             yield
+
+
+@contextlib.contextmanager
+def plugin_with_accelerator() -> Iterator[None]:
+    """The plugin installed as on a machine with an accelerator (the stand-in's)."""
+    with mock.patch.object(_recompute, "accelerator_available", lambda: True), plugin(True):
+        yield
 
 
 class DeviceDropout(nn.Module):
@@ -183,7 +193,7 @@ class TestRootInputMoveRNG(RecomputeRNGTestCase):
         with plugin(False):
             reference = self.step(lambda model, inp: model(inp))
             unfixed = self.step(checkpointed_root)
-        with plugin(True):
+        with plugin_with_accelerator():
             fixed = self.step(checkpointed_root)
             with mock.patch.object(_recompute_replay, "replay_device_rng", lambda *args: None):
                 without_rng_replay = self.step(checkpointed_root)
@@ -214,7 +224,7 @@ class TestRootInputMoveRNGEdges(RecomputeRNGTestCase):
         with plugin(False):
             reference = self.step(lambda model, inp: model(inp), root_ops=False)
             unfixed = self.step(checkpointed_root, root_ops=False)
-        with plugin(True):
+        with plugin_with_accelerator():
             fixed = self.step(checkpointed_root, root_ops=False)
         self.assertEqual(unfixed["input_moved"], [True, False])
         self.assertFalse(any(torch.equal(*masks) for masks in unfixed["masks"]))  # other masks, no error
@@ -229,7 +239,7 @@ class TestRootInputMoveRNGEdges(RecomputeRNGTestCase):
             noise = torch.rand(inp.shape, generator=model.accelerator.generator)
             return model(inp + noise)
 
-        with plugin(True), self.assertRaises(RuntimeError) as caught:
+        with plugin_with_accelerator(), self.assertRaises(RuntimeError) as caught:
             self.step(lambda model, inp: checkpoint(draws_then_runs_root, model, inp, use_reentrant=False))
         self.assertExpectedInline(
             error_text(caught.exception),
@@ -237,13 +247,13 @@ class TestRootInputMoveRNGEdges(RecomputeRNGTestCase):
         )
 
     def test_device_without_rng_functions_raises(self):
-        with plugin(True), mock.patch.object(StandInAccelerator, "get_rng_state", None):
+        with plugin_with_accelerator(), mock.patch.object(StandInAccelerator, "get_rng_state", None):
             with self.assertRaisesRegex(RuntimeError, "cannot read the RNG state of cuda"):
                 self.step(checkpointed_root)
 
     def test_preserve_rng_state_false_leaves_the_device_rng_alone(self):
         """Checkpoint then restores no RNG state on any device: the recomputation draws the stream's next numbers."""
-        with plugin(True):
+        with plugin_with_accelerator():
             replayed = self.step(lambda model, inp: checkpointed_root(model, inp, preserve_rng_state=False))
         self.assertEqual(replayed["input_moved"], [True, True])
         # The stream: block 0's and block 1's masks, the draw after the region, then the recomputation's two.

@@ -12,6 +12,9 @@ import unittest
 import torch
 from torch.testing._internal.common_utils import TestCase, run_tests
 
+from torch_fsdp_ext import _compat
+from torch_fsdp_ext._recompute import RecomputeReplay
+
 from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, ROOT
 
 
@@ -71,6 +74,24 @@ class TestTools(TestCase):
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         rows = {tuple(line.split()[:2]): line.split() for line in result.stdout.splitlines()}
         self.assertEqual(rows[("torch.distributed.fsdp", "set")][-2], "True", result.stdout)  # there it is imported
+
+    def test_plugin_bytecodes_per_step_direct_layout(self):
+        # Seconds, no valgrind: the plugin's Python bytecodes in one step of issue 37's layout (8 blocks, each its
+        # own root, each checkpointed). Without checkpointing no plugin code runs. Where a region cannot need a
+        # replay (RecomputeReplay.records_regions), only the six checkpoint-hook wrappers run per region and pass
+        # through: FSDP's forward hooks stay torch's own.
+        result = run_tool("tools/bench_instructions.py", "--bytecodes", "--layout", "direct")
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        without, with_checkpoint = result.stdout.split("\nper-block checkpoint\n")
+        self.assertRegex(without, r"\n\s*total\s+0\s+0\n")
+        rows = {line.split()[0]: line.split()[1:] for line in with_checkpoint.splitlines()[1:] if line.strip()}
+        if RecomputeReplay(_compat.load_internals()).records_regions:
+            self.assertIn("_recompute_replay.py:_pre_forward", rows, result.stdout)  # regions keep records
+            return
+        hook_wrappers = {"_recompute_records.py:__init__", "_recompute_records.py:__enter__",
+                         "_recompute_replay.py:__enter__", "_recompute_replay.py:__exit__"}
+        self.assertEqual(set(rows) - {"total"}, hook_wrappers, result.stdout)
+        self.assertEqual(rows["total"][1], str(6 * 8), result.stdout)  # __init__, __enter__, __exit__ of 2 hooks
 
     @unittest.skipIf(
         shutil.which("valgrind") is None or shutil.which("callgrind_control") is None,

@@ -7,11 +7,15 @@
     python tools/bench_instructions.py --quick        # CI form: world 1, no checkpoint, 2 steps, A/A; bound checked
     python tools/bench_instructions.py --bytecodes    # no valgrind, seconds: the plugin's Python bytecodes per step
     python tools/bench_instructions.py --layout roots # each checkpointed block is called directly, its own root
+    python tools/bench_instructions.py --layout direct --world 1 --no-mixed   # the same under a sharded Stack that
+                                                      # never runs (issue 37's layout), with its breakdown
 
 Each count is ``torch.utils.benchmark.Timer(...).collect_callgrind()`` of 10 training steps (forward,
 ``.sum().backward()``) of a stack of 8 blocks (``Linear(32, 32)``), each ``fully_shard``-ed, plus the root,
 ``param_dtype=bf16`` (``--layout roots``: no root ``fully_shard``, so each block is an iteration root and
-claims, moves and releases it in every forward and recompute). "added per FSDP forward" is the plugin's added count divided by the blocks' forwards
+claims, moves and releases it in every forward and recompute; ``--layout direct``: the ``Stack`` is
+``fully_shard``-ed too but never called, the step calls each block itself, so each block is its own root
+under a sharded parent). "added per FSDP forward" is the plugin's added count divided by the blocks' forwards
 (8 per step, and 8 recomputes more with per-block checkpointing); the root's forward is in the total.
 
 Note: how the counts are taken. Callgrind re-imports torch in a fresh ``python``
@@ -56,6 +60,7 @@ from bench_cpu import Stack, step, table  # noqa: E402 (also sets TORCH_FSDP_EXT
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import torch_fsdp_ext  # noqa: E402
 from torch_fsdp_ext import _install, _patching  # noqa: E402
@@ -67,7 +72,8 @@ WARMUP_STEPS = 3
 # 2.13.0, world size 1: at most half of what the plugin added before this tool existed (7,320 and 33,616).
 BOUND_PER_FORWARD = {False: 3_500, True: 16_000}
 PLAN_ENV = "TORCH_FSDP_EXT_INSTRUCTION_PLAN"
-LAYOUTS = ("stack", "roots")  # blocks under a sharded root; each block its own root
+# Blocks under a sharded root; each block its own root; each its own root under a sharded Stack that never runs.
+LAYOUTS = ("stack", "roots", "direct")
 layout = "stack"  # of the configurations main() counts
 SPEC_LENGTH = 512
 
@@ -140,9 +146,20 @@ def build(config: dict) -> torch.nn.Module:
         model.to(torch.bfloat16).float()
     for block in model.blocks:
         api.fully_shard(block, mp_policy=policy)
-    if config.get("layout", "stack") == "stack":
+    if config.get("layout", "stack") in ("stack", "direct"):
         api.fully_shard(model, mp_policy=policy)
     return model
+
+
+def run_step(model: torch.nn.Module, x: torch.Tensor, layout_of_model: str) -> None:
+    """One training step; in the ``direct`` layout the step calls the blocks itself, not the sharded ``Stack``."""
+    if layout_of_model != "direct":
+        step(model, x)
+        return
+    h = x
+    for block in model.blocks:
+        h = checkpoint(block, h, use_reentrant=False) if model.checkpointed else block(h)
+    h.float().sum().backward()
 
 
 def switch(plugin: str | None, bypass: str | None = None) -> Bypass:
@@ -164,6 +181,7 @@ class Plan:
 
     def __init__(self, config: dict, world: int, steps: int) -> None:
         self.steps = steps
+        self.layout = config.get("layout", "stack")
         if world == 1:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         else:
@@ -174,7 +192,7 @@ class Plan:
         self.model = build(config)
         self.bypass = switch(config["plugin"], config["bypass"])
         for _ in range(WARMUP_STEPS):  # lazy init, rank check, caches
-            step(self.model, self.x)
+            run_step(self.model, self.x, self.layout)
         # Note: automatic garbage collection off while counting. When a collection runs
         # depends on every allocation since the last one, so it falls into one count's
         # steps and not the other's: tens of thousands of instructions of noise.
@@ -190,7 +208,7 @@ class Plan:
 
     def run(self) -> None:
         for _ in range(self.steps):
-            step(self.model, self.x)
+            run_step(self.model, self.x, self.layout)
 
 
 def run_statement(plan: Plan | None) -> None:
@@ -263,7 +281,7 @@ def count_bytecodes(checkpoint: bool) -> dict[str, tuple[int, int]]:
     switch("upcast")
     x = torch.randn(8, 32)
     for _ in range(WARMUP_STEPS):
-        step(model, x)
+        run_step(model, x, layout)
     counts: dict[str, list[int]] = {}
 
     def trace(frame: Any, event: str, arg: Any) -> Any:
@@ -282,7 +300,7 @@ def count_bytecodes(checkpoint: bool) -> dict[str, tuple[int, int]]:
 
     sys.settrace(trace)
     try:
-        step(model, x)
+        run_step(model, x, layout)
     finally:
         sys.settrace(None)
         torch_fsdp_ext.uninstall()
@@ -310,10 +328,13 @@ def main() -> int:
     parser.add_argument("--functions", type=int, default=0, metavar="N",
                         help="also print the N functions whose instructions the plugin changes most (callgrind)")
     parser.add_argument("--jobs", type=int, default=2, help="callgrind processes at a time (default 2)")
+    parser.add_argument("--checkpointed-only", action="store_true",
+                        help="count the per-block checkpoint configurations only (half the processes)")
     parser.add_argument("--count-one", metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument("--bytecodes", action="store_true", help="count the plugin's Python bytecodes (no valgrind)")
     parser.add_argument("--layout", choices=LAYOUTS, default="stack",
-                        help="stack: blocks under a sharded root (default); roots: each block its own root")
+                        help="stack: blocks under a sharded root (default); roots: each block its own root; direct: "
+                        "each block its own root, called by the step, under a sharded Stack that never runs")
     args = parser.parse_args()
     global layout
     layout = args.layout
@@ -337,11 +358,13 @@ def main() -> int:
           f"PYTHONHASHSEED=0, {time.strftime('%Y-%m-%d', time.gmtime())}; fixes this torch needs: "
           + ", ".join(name for name, n in needed.items() if n))
     print(f"{BLOCKS} blocks of Linear(32, 32), each fully_shard-ed, "
-          + ("+ root" if layout == "stack" else "each its own root (no root fully_shard)") + "; param_dtype=bf16; "
+          + {"stack": "+ root", "roots": "each its own root (no root fully_shard)",
+             "direct": "each its own root, called by the step (the fully_shard-ed Stack never runs)"}[layout]
+          + "; param_dtype=bf16; "
           f"instructions of {steps} steps (forward + backward) per configuration, one callgrind process each")
     ok = True
     for world in worlds:
-        checkpoints = (False,) if args.quick else (False, True)
+        checkpoints = (False,) if args.quick else (True,) if args.checkpointed_only else (False, True)
         configs, rows = [], []
         for checkpoint in checkpoints:
             configs += [config(checkpoint, None), config(checkpoint, "upcast")]
@@ -419,7 +442,8 @@ def main() -> int:
                 breakdown_rows.append(cells)
             breakdown_rows.append(["all (added per FSDP forward)"]
                                   + [f"{added[c] / forwards_per_step(c):,.0f}" for c in checkpoints])
-            print(table(["wrapper group", "no checkpoint", "per-block checkpoint"], breakdown_rows))
+            print(table(["wrapper group", *("per-block checkpoint" if c else "no checkpoint" for c in checkpoints)],
+                        breakdown_rows))
     print("\nall bounds met" if ok else "\nBOUND MISSED")
     return 0 if ok else 1
 

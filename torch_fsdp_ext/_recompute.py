@@ -28,6 +28,8 @@ import functools
 import warnings
 from typing import Callable
 
+import torch
+
 from . import _compat
 from ._patching import PatchSet
 from ._recompute_records import attach_records, find_records, wrap_forward_enter
@@ -50,6 +52,15 @@ class RecomputeReplay:
         self.upstream_casts_inputs = bool(_compat.probe_recompute_casts_inputs())
         self.upstream_casts_outputs = bool(_compat.probe_recompute_casts_outputs())
         self.upstream_moves_inputs = bool(_compat.probe_recompute_moves_inputs())
+        # Note: nothing to replay without an accelerator. Where this torch casts a recomputation's
+        # inputs and outputs itself and the machine has no accelerator, every FSDP module computes on
+        # the CPU: no root moves inputs (FSDP moves them onto an accelerator only), and the only
+        # autocast its ops see is the CPU's, which checkpoint restores for every recomputation. A
+        # recomputation then equals its forward without the plugin, so regions keep no records and
+        # never switch FSDP's hooks to the wrappers: a checkpointed forward runs torch's code.
+        self.records_regions = not (self.upstream_casts_inputs and self.upstream_casts_outputs) or (
+            accelerator_available()
+        )
         self.not_covered: list[str] = []
 
     # -- what this release needs -----------------------------------------------
@@ -97,8 +108,8 @@ class RecomputeReplay:
         internals = self.internals
         # Each wrapper is made for this fix (its first argument) and binds this fix's frames and switch then.
         exit_wrapper = functools.partial(wrap_exit, self)
-        patches.wrap(internals.checkpoint_hook, "__init__", attach_records)
-        patches.wrap(internals.recomputation_hook, "__init__", find_records)
+        patches.wrap(internals.checkpoint_hook, "__init__", functools.partial(attach_records, self))
+        patches.wrap(internals.recomputation_hook, "__init__", functools.partial(find_records, self))
         patches.wrap(internals.checkpoint_hook, "__enter__", functools.partial(wrap_forward_enter, self))
         patches.wrap(internals.recomputation_hook, "__enter__", functools.partial(wrap_recompute_enter, self))
         patches.wrap(internals.checkpoint_hook, "__exit__", exit_wrapper)
@@ -141,6 +152,19 @@ class RecomputeReplay:
                 method = pre if kind == "pre" else post
                 if hooks[hook_id].__func__ is not method:
                     patches.rebind_hook(hooks, hook_id, method.__get__(obj))
+
+
+def accelerator_available() -> bool:
+    """Is there an accelerator on this machine (FSDP's device for a root input move, an autocast device)?
+
+    Note: a CUDA build of torch names ``cuda`` as its accelerator on a machine without a GPU too;
+    its ``is_available()`` tells. An accelerator without one is taken to be there.
+    """
+    device_type = _compat.accelerator_device_type()
+    if device_type is None:
+        return False
+    is_available = getattr(getattr(torch, device_type, None), "is_available", None)
+    return bool(is_available()) if is_available is not None else True
 
 
 _warned_traced = False

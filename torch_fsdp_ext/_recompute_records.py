@@ -73,10 +73,14 @@ def capture_autocast(device_type: str) -> ForwardContext:
     return ForwardContext(moved_to=None, autocast=autocast, autocast_cache=torch.is_autocast_cache_enabled())
 
 
-def attach_records(original: Callable) -> Callable:
+def attach_records(fix: RecomputeReplay, original: Callable) -> Callable:
+    records_regions = fix.records_regions
+
     @wraps(original)
     def __init__(hook: Any, frame: Any, *args: Any, **kwargs: Any) -> None:
         original(hook, frame, *args, **kwargs)
+        if not records_regions:  # nothing to replay on this machine (RecomputeReplay.records_regions)
+            return
         # Torch gives each frame one checkpoint hook: this is where the frame's records start.
         # setattr, not __dict__: a hook's attributes stay in CPython's inline values (_compat.param_groups_of).
         # Note: never raises. A frame unlike the probed one gets no records: its region runs as torch alone runs it.
@@ -91,10 +95,14 @@ def attach_records(original: Callable) -> Callable:
     return __init__
 
 
-def find_records(original: Callable) -> Callable:
+def find_records(fix: RecomputeReplay, original: Callable) -> Callable:
+    records_regions = fix.records_regions
+
     @wraps(original)
     def __init__(hook: Any, target_frame_ref: Any, *args: Any, **kwargs: Any) -> None:
         original(hook, target_frame_ref, *args, **kwargs)
+        if not records_regions:  # no frame has records, as attach_records
+            return
         try:  # never raises, as attach_records
             setattr(hook, RECORDS_ATTR, getattr(target_frame_ref(), RECORDS_ATTR, None))
         except Exception:  # noqa: BLE001
