@@ -415,10 +415,9 @@ class TestSpawnedRanks(TestCase):
 
     def report(self, result: subprocess.CompletedProcess) -> dict:
         lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-        # Note: gloo's abort at exit (docs/reliability.md, "Known issue") comes after the script's final
-        # barrier; the report printed before it is the result.
-        aborted_at_exit = "terminate called without an active exception" in result.stderr
-        self.assertTrue((result.returncode == 0 or aborted_at_exit) and len(lines) == 1, result.stdout + result.stderr)
+        # Every rank ends cleanly: exit status 0 and no abort at exit (docs/reliability.md).
+        self.assertTrue(result.returncode == 0 and len(lines) == 1, result.stdout + result.stderr)
+        self.assertNotIn("terminate called", result.stderr)
         return json.loads(lines[0])
 
     def test_launcher_and_variable_reach_spawned_ranks(self):

@@ -28,10 +28,9 @@ def torchrun(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess
 def report(result: subprocess.CompletedProcess) -> dict:
     """The JSON line rank 0 of the script printed."""
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    # Note: gloo's abort at exit (docs/reliability.md, with and without the plugin) comes after the
-    # script's final barrier; the report printed before it is the result.
-    aborted_at_exit = "terminate called without an active exception" in result.stderr
-    assert (result.returncode == 0 or aborted_at_exit) and len(lines) == 1, result.stdout + result.stderr
+    # Every rank ends cleanly: exit status 0 and no abort at exit (docs/reliability.md).
+    assert result.returncode == 0 and len(lines) == 1, result.stdout + result.stderr
+    assert "terminate called" not in result.stderr, result.stderr
     return json.loads(lines[0])
 
 

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 import torch_fsdp_ext
 from torch_fsdp_ext import _compat
 from torch_fsdp_ext._compat import fsdp2_api
+from torch_fsdp_ext._rank_end import end_rank
 
 fully_shard, FSDPModule, MixedPrecisionPolicy = (
     fsdp2_api().fully_shard, fsdp2_api().FSDPModule, fsdp2_api().MixedPrecisionPolicy
@@ -577,7 +578,7 @@ def run_preserve_bytes_rank(rank: int, world: int, init_file: str, setup: str, d
     dist.all_gather_object(gathered, result)
     if rank == 0:
         torch.save(gathered, result_file)
-    close_process_group()
+    end_rank()
 
 
 def run_preserve_timing_rank(rank: int, world: int, init_file: str, dims: tuple, rounds: int, result_file: str) -> None:
@@ -608,37 +609,22 @@ def run_preserve_timing_rank(rank: int, world: int, init_file: str, dims: tuple,
             ratios[name].append(times[name] / times["upcast"])
     if rank == 0:
         torch.save({name: statistics.median(r) for name, r in ratios.items()}, result_file)
-    close_process_group()
+    end_rank()
 
 
 def spawn_ranks(fn, world: int, *args) -> Any:
     """Run ``fn(rank, world, init_file, *args, result_file)`` on ``world`` spawned ranks; rank 0's result.
 
-    Note: on torch 2.12.1's CUDA build a spawned gloo rank was seen to abort now and then
-    ("terminate called without an active exception"; docs/reliability.md, "Known issue").
-    A rank that dies by a signal after rank 0 saved the result (at teardown) is reported and the
-    result used; one that dies before it is reported and the run made once more, so that the
-    measurement does not hinge on it; any other failure is raised.
+    Each rank ends with ``end_rank()`` (docs/reliability.md, "Abort at exit"), so any rank that
+    does not exit with status 0 fails the run.
     """
     import torch.multiprocessing as mp
 
-    for attempt in (1, 2):
-        with tempfile.TemporaryDirectory() as tmp:
-            result_file = os.path.join(tmp, "result.pt")
-            try:
-                mp.start_processes(fn, args=(world, os.path.join(tmp, "init"), *args, result_file), nprocs=world,
-                                   start_method="spawn")
-            except mp.ProcessExitedException as e:
-                if e.signal_name is None:
-                    raise
-                if os.path.exists(result_file):  # rank 0 saved the result before the ranks tore gloo down
-                    print(f"note: a rank died by {e.signal_name} at teardown ({e}), after the result", flush=True)
-                    return torch.load(result_file)
-                if attempt == 2:
-                    raise
-                print(f"note: a rank died by {e.signal_name} ({e}); running once more", flush=True)
-                continue
-            return torch.load(result_file)
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "result.pt")
+        mp.start_processes(fn, args=(world, os.path.join(tmp, "init"), *args, result_file), nprocs=world,
+                           start_method="spawn")
+        return torch.load(result_file)
 
 
 BOUND_PRESERVE_BYTES_RATIO = 0.52
@@ -784,7 +770,7 @@ def run_compute_dtype_rank(rank: int, world: int, init_file: str, dims: tuple, r
         result[name]["step_ms"] = statistics.median(samples[name]) * 1e3
     if rank == 0:
         torch.save(result, result_file)
-    close_process_group()
+    end_rank()
 
 
 def compute_dtype_section(args: argparse.Namespace) -> bool:
@@ -822,23 +808,13 @@ def compute_dtype_section(args: argparse.Namespace) -> bool:
 # -- driver ------------------------------------------------------------------------------
 
 
-def close_process_group() -> None:
-    """Every rank done with its collectives before any rank tears gloo down.
-
-    Note: a rank that destroys its gloo group while a peer still uses it can abort the
-    peer ("terminate called without an active exception"), seen once in CI on 2.12.1.
-    """
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def run_rank(rank: int, world: int, init_file: str, args: argparse.Namespace, result_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     results = measure_overhead(args.sizes, args.rounds, args.reps)
     if rank == 0:
         torch.save(results, result_file)
-    close_process_group()
+    end_rank()
 
 
 def overhead_section(args: argparse.Namespace) -> bool:

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 import torch_fsdp_ext
 from torch_fsdp_ext._compat import fsdp2_api
+from torch_fsdp_ext._rank_end import end_rank
 
 BOUND_STREAM_PEAK = 1.1
 MiB = 1 << 20
@@ -175,8 +176,7 @@ def run_rank(rank: int, world: int, init_file: str, dims: tuple[int, int, int], 
     dist.all_gather_object(rows, row)
     if rank == 0:
         torch.save(rows, result_file)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 def main() -> int:
@@ -191,14 +191,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "result.pt")
-        try:
-            mp.start_processes(run_rank, args=(world, os.path.join(tmp, "init"), dims, reps, result_file),
-                               nprocs=world, start_method="spawn")
-        except mp.ProcessExitedException as e:
-            # gloo's known abort at exit (docs/reliability.md) after the result was saved
-            if e.signal_name is None or not os.path.exists(result_file):
-                raise
-            print(f"note: a rank died by {e.signal_name} at teardown, after the result", flush=True)
+        mp.start_processes(run_rank, args=(world, os.path.join(tmp, "init"), dims, reps, result_file),
+                           nprocs=world, start_method="spawn")
         rows = torch.load(result_file)
 
     largest = rows[0]["largest"]

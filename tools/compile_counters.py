@@ -16,6 +16,8 @@ import tempfile
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from torch_fsdp_ext._rank_end import end_rank
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = ("whole", "whole+checkpoint", "block.compile() after fully_shard", "per-block before fully_shard")
 
@@ -36,7 +38,7 @@ def run_rank(rank: int, init_file: str, backend: str) -> None:
         widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
         for row in [header] + rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def main() -> None:

@@ -1,88 +1,103 @@
-"""Does a 2-rank gloo job abort at exit ("terminate called without an active exception"), and is it the plugin?
+"""How often does a 2-rank gloo job abort at exit ("terminate called without an active exception"),
+and does the recommended end of a rank remove it?
 
-    python tools/exit_probe.py [--runs 5]
+    python tools/exit_probe.py [--runs 20]
 
-Runs a small training job (the seed-000 layout: bf16 linears with fp32 norms, 3 steps) under
-torchrun with 2 CPU ranks, in four setups taken in turn: with and without the plugin (without
-it, the job casts the model to fp32 itself), and with and without ``dist.barrier()`` before
-``dist.destroy_process_group()``. Prints, per setup, how many runs exited non-zero and how many
-printed the abort.
+Plain torch (no plugin), 2 gloo ranks on CPU. The job builds a ``DeviceMesh`` (as ``fully_shard``
+does), runs a few synchronous ``all_reduce`` steps and ends in one of two ways, taken in turn so
+that a busy spell hits both alike:
+
+- ``destroy, then exit``: ``dist.destroy_process_group()`` and the script ends (the mesh, which a
+  model would hold, keeps the group and its gloo worker threads alive into interpreter shutdown);
+- ``recommended end``: ``dist.barrier()``, ``dist.destroy_process_group()``, flush, ``os._exit(0)``
+  (``torch_fsdp_ext._rank_end.end_rank``; docs/reliability.md, "Abort at exit").
+
+Each rank is started directly with the variables torchrun gives it (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``), so its exit status and stderr are its own. Prints, per end, how
+many runs had a rank that exited non-zero and how many had a rank that aborted (SIGABRT or the
+message on the rank's own stderr).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 
 JOB = '''
-import sys
-import torch, torch.nn as nn, torch.distributed as dist
-plugin, barrier = sys.argv[1] == "plugin", sys.argv[2] == "barrier"
-if plugin:
-    import torch_fsdp_ext
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import os, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 dist.init_process_group("gloo")
-torch.manual_seed(0)
-model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)) for _ in range(3)))
-for block in model:
-    block[0].to(torch.bfloat16)
-if not plugin:
-    model.float()
-policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-for block in model:
-    fully_shard(block, mp_policy=policy)
-fully_shard(model, mp_policy=policy)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+metric = torch.ones(1024)
 for step in range(3):
-    model(torch.randn(4, 16)).float().pow(2).mean().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-if barrier:
+    dist.all_reduce(metric)
+if sys.argv[1] == "recommended":
     dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 dist.destroy_process_group()
 '''
 
+ENDS = {"destroy, then exit": "plain", "recommended end": "recommended"}
 ABORT = "terminate called without an active exception"
+RUN_TIMEOUT_S = 300
 
 
-def run_job(script: str, plugin: bool, barrier: bool) -> tuple[bool, bool]:
-    """(exited non-zero, printed the abort) for one torchrun launch."""
-    env = dict(os.environ)
-    env.pop("TORCH_FSDP_EXT_DISABLE", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
-         "plugin" if plugin else "plain", "barrier" if barrier else "no-barrier"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
-    return result.returncode != 0, ABORT in result.stdout + result.stderr
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(script: str, end: str) -> tuple[bool, bool]:
+    """(a rank exited non-zero, a rank aborted) for one 2-rank job."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_FSDP_EXT_")}
+    ranks = [
+        subprocess.Popen([sys.executable, script, end], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(env, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        for rank in (0, 1)
+    ]
+    failed = aborted = False
+    for process in ranks:
+        try:
+            _, stderr = process.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            _, stderr = process.communicate()
+        failed |= process.returncode != 0
+        aborted |= process.returncode == -6 or ABORT in stderr
+    return failed, aborted
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=5, help="launches per setup (default 5)")
+    parser.add_argument("--runs", type=int, default=20, help="jobs per end (default 20)")
     args = parser.parse_args()
     import torch
 
-    setups = list(itertools.product((False, True), (False, True)))  # (plugin, barrier)
-    counts = {setup: [0, 0] for setup in setups}
+    counts = {name: [0, 0] for name in ENDS}
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "job.py")
         with open(script, "w") as f:
             f.write(JOB)
         for _ in range(args.runs):
-            for setup in setups:  # in turn, so that a busy spell hits every setup alike
-                failed, aborted = run_job(script, *setup)
-                counts[setup][0] += failed
-                counts[setup][1] += aborted
-    print(f"torch {torch.__version__}, 2 gloo CPU ranks under torchrun, {args.runs} runs per setup")
-    print(f"{'plugin':<8}{'barrier before teardown':<25}{'non-zero exit':<15}abort printed")
-    for (plugin, barrier), (failed, aborted) in counts.items():
-        print(f"{'yes' if plugin else 'no':<8}{'yes' if barrier else 'no':<25}{failed:<15}{aborted}")
+            for name, end in ENDS.items():
+                failed, aborted = run_job(script, end)
+                counts[name][0] += failed
+                counts[name][1] += aborted
+    print(f"torch {torch.__version__}, plain torch, 2 gloo CPU ranks, {args.runs} jobs per end")
+    print(f"{'end of the ranks':<20}{'non-zero exit':<15}aborted")
+    for name, (failed, aborted) in counts.items():
+        print(f"{name:<20}{f'{failed} of {args.runs}':<15}{aborted} of {args.runs}")
 
 
 if __name__ == "__main__":

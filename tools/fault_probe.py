@@ -5,9 +5,10 @@
     python tools/fault_probe.py plugin-on-rank-0    # rank 1 runs without the plugin; nothing to fix
     python tools/fault_probe.py thread-toggle       # install()/uninstall() from a 2nd thread while training
 
-Only the public API is used, so the same command measures an older checkout
-(``PYTHONPATH=<checkout>``). Each rank is a process; its exit code is printed
-(-6 is SIGABRT). ``--timeout`` is the process group's timeout in seconds.
+The scenarios use only the public API, so the same command measures another checkout
+(``PYTHONPATH=<checkout>``) that has ``torch_fsdp_ext._rank_end``, whose ``end_rank`` ends each
+rank. Each rank is a process; its exit code is printed (-6 is SIGABRT). ``--timeout`` is the
+process group's timeout in seconds.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def _rank_main(scenario: str, rank: int, init_file: str, timeout: float, plugin_
     import torch.nn as nn
 
     import torch_fsdp_ext
+    from torch_fsdp_ext._rank_end import end_rank
 
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=timeout)
@@ -111,6 +113,10 @@ def _rank_main(scenario: str, rank: int, init_file: str, timeout: float, plugin_
     except Exception as e:  # noqa: BLE001 - the outcome is what we report
         outcome = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     results.put((rank, f"{outcome} ({time.monotonic() - started:.1f} s)"))
+    results.close()
+    results.join_thread()  # the queue's feeder thread has sent the outcome: end_rank skips exit handlers
+    # Note: no barrier: in a faulty scenario a rank may have stopped communicating.
+    end_rank(wait_for_peers=False)
 
 
 def _thread_toggle(torch, nn, rank: int, plugin_on: bool, torch_fsdp_ext) -> str:

@@ -22,6 +22,7 @@ import torch.nn as nn
 from . import _compat
 from ._dtype_plan import MixedParamDtypeError
 from ._install import FIX_NAMES, install, status, uninstall
+from ._rank_end import end_rank
 from ._report import NEEDED_LEGEND, format_table, needed_word, plugin_does
 
 
@@ -143,16 +144,13 @@ def _rank_main(rank: int, backend: Backend, strategy: str, init_file: str, resul
             without = _outcome(fn, device, strategy)
             install(dtype_strategy=strategy)
             results[name] = {"without": without, "with": _outcome(fn, device, strategy)}
-        dist.barrier()  # every rank done with gloo before any rank tears it down
     except Exception:  # noqa: BLE001
         results["error"] = traceback.format_exc()
-    # Note: the report is written before the teardown. A gloo job on CPU can abort while
-    # it tears down (docs/reliability.md, "abort at exit"); the scenarios are over by then.
     if rank == 0:
         with open(result_file + ".part", "w") as f:
             json.dump(results, f)
         os.replace(result_file + ".part", result_file)
-    dist.destroy_process_group()
+    end_rank(wait_for_peers="error" not in results)
 
 
 def run_self_test(backend: Backend, strategy: str, timeout: float = 120.0) -> dict:
@@ -165,7 +163,6 @@ def run_self_test(backend: Backend, strategy: str, timeout: float = 120.0) -> di
             start_method="spawn", join=False,
         )
         deadline = time.monotonic() + timeout
-        teardown = None
         try:
             while not context.join(timeout=1.0):
                 if time.monotonic() > deadline:
@@ -173,14 +170,9 @@ def run_self_test(backend: Backend, strategy: str, timeout: float = 120.0) -> di
                         process.kill()
                     return {"error": f"self-test did not finish within {timeout:.0f} s"}
         except mp.ProcessExitedException as e:
-            if not os.path.exists(result_file):
-                return {"error": f"a self-test rank died before the scenarios ended: {e}"}
-            teardown = f"{e} after every rank finished the scenarios (gloo teardown; see docs/reliability.md)"
+            return {"error": f"a self-test rank did not end cleanly: {e}"}
         with open(result_file) as f:
-            results = json.load(f)
-        if teardown is not None:
-            results["teardown"] = teardown
-        return results
+            return json.load(f)
 
 
 # -- report --------------------------------------------------------------------------
@@ -247,6 +239,4 @@ def doctor(world_size: int = 2) -> int:
     rows, healthy = fix_rows(report, outcomes)
     print(format_table(rows))
     print("\n".join(LEGEND))
-    if "teardown" in outcomes:
-        print(f"note: {outcomes['teardown']}")
     return 0 if healthy else 1

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import torch_fsdp_ext
 from torch_fsdp_ext._rank_consistency import comparisons_made
+from torch_fsdp_ext._rank_end import end_rank
 
 
 class Block(nn.Module):
@@ -76,7 +77,7 @@ def main() -> None:
     report["comparisons"] = comparisons_made(dist.group.WORLD)
     with open(os.path.join(args.out, f"rank{rank}.attempt{attempt}.json"), "w", encoding="utf-8") as f:
         json.dump(report, f)
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -57,8 +57,14 @@ def train(args: argparse.Namespace) -> None:
         dtypes = sorted({str(p.dtype) for p in model.parameters()})
         print(json.dumps({"losses": losses, "dtypes": dtypes, "plugin_imported": "torch_fsdp_ext" in sys.modules,
                           "argv": sys.argv[1:]}), flush=True)
-    dist.barrier()  # every rank done with gloo before any rank tears it down
+    # Note: the end docs/reliability.md recommends for a training script (torch_fsdp_ext's
+    # end_rank, written out: this script never imports the plugin). os._exit skips interpreter
+    # finalization, where torch's gloo workers can abort the process.
+    dist.barrier()  # every rank done with its collectives
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawned_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
