@@ -76,7 +76,7 @@ class TestTools(TestCase):
         self.assertEqual(rows[("torch.distributed.fsdp", "set")][-2], "True", result.stdout)  # there it is imported
 
     def test_plugin_bytecodes_per_step_direct_layout(self):
-        # Seconds, no valgrind: the plugin's Python bytecodes in one step of issue 37's layout (8 blocks, each its
+        # Seconds, no valgrind: the plugin's Python bytecodes in one step of the direct layout (8 blocks, each its
         # own root, each checkpointed). Without checkpointing no plugin code runs. Where a region cannot need a
         # replay (RecomputeReplay.records_regions), only the six checkpoint-hook wrappers run per region and pass
         # through: FSDP's forward hooks stay torch's own.

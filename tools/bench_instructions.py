@@ -8,7 +8,7 @@
     python tools/bench_instructions.py --bytecodes    # no valgrind, seconds: the plugin's Python bytecodes per step
     python tools/bench_instructions.py --layout roots # each checkpointed block is called directly, its own root
     python tools/bench_instructions.py --layout direct --world 1 --no-mixed   # the same under a sharded Stack that
-                                                      # never runs (issue 37's layout), with its breakdown
+                                                      # never runs (each block its own root), with its breakdown
 
 Each count is ``torch.utils.benchmark.Timer(...).collect_callgrind()`` of 10 training steps (forward,
 ``.sum().backward()``) of a stack of 8 blocks (``Linear(32, 32)``), each ``fully_shard``-ed, plus the root,
