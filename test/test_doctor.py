@@ -54,14 +54,11 @@ dtype      yes     yes     AssertionError → fixed                strategy upca
 recompute  partly  yes     no failure → runs                     replays root input move, autocast state (torch: input cast, output cast)""",
             )
             self.assertIn("partly = torch repairs part, the plugin the rest", result.stdout)
-            # README.md shows this release's output from the self-test line on: it must be what doctor prints.
+            # README.md shows this release's table: it must be what doctor prints.
             with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
                 readme = f.read()
-            lines = result.stdout.splitlines()
-            start = next(i for i, l in enumerate(lines) if l.startswith("self-test:"))
-            for line in lines[start:]:
-                if not line.startswith("note: "):  # a teardown note (docs/reliability.md) is not in README
-                    self.assertIn(f"    {line}\n", readme)
+            for line in table(result.stdout).splitlines():
+                self.assertIn(f"    {line}\n", readme)
         else:
             self.skipTest("no expected table for a torch without the dtype bug")
 

@@ -36,9 +36,12 @@ logger = logging.getLogger("torch_fsdp_ext")
 
 _KEEP_APART_HINT = (
     "Fix: parameters that must not be cast need one dtype per group: freeze them "
-    "(requires_grad_(False)), give them their own fully_shard group, or pass them in ignored_params; or cast "
-    "the model to one dtype before it is converted and sharded (model.float() before convert_to_float8_training "
-    "and fully_shard: the hand workaround, no plugin needed)."
+    "(requires_grad_(False)), give them their own fully_shard group, or pass them in ignored_params."
+)
+# A model refused before any cast (upcast_model): the hand workaround fixes it too.
+_REFUSED_UPCAST_HINT = _KEEP_APART_HINT.rstrip(".") + (
+    "; or cast the model to one dtype before it is converted and sharded (model.float() before "
+    "convert_to_float8_training and fully_shard: the hand workaround, no plugin needed)."
 )
 
 
@@ -131,7 +134,7 @@ class UpcastStrategy:
                 messages.append(describe_mixed_dtypes(group_name, plan, self._conflicts(plan), ""))
             raise MixedParamDtypeError(
                 "\n".join(message.rstrip("\n") for message in messages)
-                + "\nNothing was cast: upcast needs every parameter of a group in one dtype. " + _KEEP_APART_HINT
+                + "\nNothing was cast: upcast needs every parameter of a group in one dtype. " + _REFUSED_UPCAST_HINT
             )
         changed, params, added = [], 0, 0
         for (group, _), group_casts in zip(groups, casts):
