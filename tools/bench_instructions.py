@@ -189,6 +189,13 @@ class Plan:
 
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         self.x = torch.randn(8, 32)
+        # Note: every process, unpatched ones too, installs and uninstalls the plugin once first. install()
+        # runs the plugin's probes (a tiny FSDP group, a tiny checkpoint): torch code they run is warmed and
+        # the allocator left as they leave it in both, so a count differs only by what is installed during
+        # the steps. Without this, the same plugin measured -599 to +8,221 per forward across builds that
+        # differed only in code no step runs.
+        torch_fsdp_ext.install()
+        torch_fsdp_ext.uninstall()
         self.model = build(config)
         self.bypass = switch(config["plugin"], config["bypass"])
         for _ in range(WARMUP_STEPS):  # lazy init, rank check, caches
