@@ -30,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 
+from resume_table import HEADER, compare  # tools/, this script's folder
+
 STEPS = 4
 RESUME_STEP = 2
 VOCAB, SEQ_LEN, BATCH = 64, 16, 2
@@ -121,7 +123,6 @@ def rank_job(phase: str, output_dir: str, result_path: str) -> None:
             {"losses": per_step, "params": params, "trainable": trainable, "fsdp": type(trainer.model).__name__},
             result_path,
         )
-    dist.barrier()
 
 
 def launch(phase: str, output_dir: str, result_path: str) -> None:
@@ -133,25 +134,6 @@ def launch(phase: str, output_dir: str, result_path: str) -> None:
     if completed.returncode != 0:
         sys.stderr.write(completed.stdout[-4000:] + completed.stderr[-8000:])
         raise SystemExit(f"{phase} job failed (exit status {completed.returncode})")
-
-
-def compare(name: str, a: dict, b: dict, steps) -> tuple[str, bool]:
-    import torch
-
-    loss_equal = all(torch.equal(a["losses"][s], b["losses"][s]) for s in steps)
-    differing = [
-        n for n in a["params"]
-        if a["params"][n].dtype != b["params"][n].dtype or not torch.equal(a["params"][n], b["params"][n])
-    ]
-    worst = max(((a["params"][n].double() - b["params"][n].double()).abs().max().item() for n in differing),
-                default=0.0)
-    losses = " ".join(f"{a['losses'][s][0].item():.6f}/{b['losses'][s][0].item():.6f}" for s in steps)
-    exact = loss_equal and not differing
-    row = (
-        f"| {name} | {losses} | {'equal' if loss_equal else 'DIFFER'} | "
-        f"{len(a['params']) - len(differing)}/{len(a['params'])} | {worst:.3g} | {'yes' if exact else 'NO'} |"
-    )
-    return row, exact
 
 
 def main() -> int:
@@ -172,9 +154,7 @@ def main() -> int:
     print(f"torch {torch.__version__}, transformers {version('transformers')}, accelerate {version('accelerate')}, "
           f"peft {version('peft')}, 2 gloo ranks, model {results['resumed']['fsdp']}, {STEPS} steps, "
           f"resume from step {RESUME_STEP}")
-    print("| comparison | rank-0 losses (a/b) per step | losses (both ranks) | params equal | max abs diff "
-          "| bit for bit |")
-    print("|---|---|---|---|---|---|")
+    print(HEADER)
     print(row)
     print(f"trainable parameters not fp32 after the resume: {', '.join(not_fp32) or 'none'}")
     return 0 if exact and not not_fp32 else 1
@@ -186,5 +166,7 @@ if __name__ == "__main__":
     arguments = parser.parse_args()
     if arguments.rank_job:
         rank_job(*arguments.rank_job)
-        sys.exit(0)
+        from torch_fsdp_ext._rank_end import end_rank  # installs nothing where TORCH_FSDP_EXT_DISABLE=1
+
+        end_rank()
     sys.exit(main())

@@ -35,6 +35,8 @@ import sys
 import tempfile
 import types
 
+from resume_table import HEADER, compare  # tools/, this script's folder
+
 STEPS = 4
 RESUME_STEP = 2
 VARIANTS = ("plugin", "workaround")
@@ -167,8 +169,6 @@ def rank_job(variant: str, phase: str, folder: str, result_path: str) -> None:
         params[name] = full.detach().clone()
     if rank == 0:
         torch.save({"losses": losses, "params": params}, result_path)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def launch(variant: str, phase: str, folder: str, result_path: str) -> None:
@@ -176,32 +176,11 @@ def launch(variant: str, phase: str, folder: str, result_path: str) -> None:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         os.path.abspath(__file__), "--rank-job", variant, phase, folder, result_path,
     ]
-    completed = subprocess.run(command, capture_output=True, text=True)
+    plugin_off = {} if variant == "plugin" else {"TORCH_FSDP_EXT_DISABLE": "1"}
+    completed = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **plugin_off})
     if completed.returncode != 0:
         sys.stderr.write(completed.stdout[-4000:] + completed.stderr[-8000:])
         raise SystemExit(f"{variant} {phase} job failed (exit status {completed.returncode})")
-
-
-def max_abs_diff(a, b) -> float:
-    return (a.double() - b.double()).abs().max().item()
-
-
-def compare(name: str, a: dict, b: dict, steps) -> tuple[str, bool]:
-    import torch
-
-    loss_equal = all(torch.equal(a["losses"][s], b["losses"][s]) for s in steps)
-    differing = [
-        n for n in a["params"]
-        if a["params"][n].dtype != b["params"][n].dtype or not torch.equal(a["params"][n], b["params"][n])
-    ]
-    worst = max((max_abs_diff(a["params"][n], b["params"][n]) for n in differing), default=0.0)
-    losses = " ".join(f"{a['losses'][s].item():.6f}/{b['losses'][s].item():.6f}" for s in steps)
-    exact = loss_equal and not differing
-    row = (
-        f"| {name} | {losses} | {'equal' if loss_equal else 'DIFFER'} | "
-        f"{len(a['params']) - len(differing)}/{len(a['params'])} | {worst:.3g} | {'yes' if exact else 'NO'} |"
-    )
-    return row, exact
 
 
 def main() -> int:
@@ -229,8 +208,7 @@ def main() -> int:
     not_fp32 = [n for n, p in results["plugin", "resumed"]["params"].items() if p.dtype != torch.float32]
     print(f"torch {torch.__version__}, torchtitan {version('torchtitan')}, 2 gloo ranks, "
           f"{STEPS} steps, resume from step {RESUME_STEP}")
-    print("| comparison | rank-0 losses (a/b) per step | losses | params equal | max abs diff | bit for bit |")
-    print("|---|---|---|---|---|---|")
+    print(HEADER)
     for row, _ in rows:
         print(row)
     print(f"parameters not fp32 after the plugin's resume: {', '.join(not_fp32) or 'none'}")
@@ -249,5 +227,7 @@ if __name__ == "__main__":
     arguments = parser.parse_args()
     if arguments.rank_job:
         rank_job(*arguments.rank_job)
-        sys.exit(0)
+        from torch_fsdp_ext._rank_end import end_rank  # installs nothing where TORCH_FSDP_EXT_DISABLE=1
+
+        end_rank()
     sys.exit(main())
