@@ -6,9 +6,9 @@ the plugin found on PYTHONPATH against that workaround, on 2 gloo ranks:
 It prints one line per order: "trains bit for bit as the workaround", or what went wrong.
 test/test_orders.py asserts the same orders (and generates many more).
 """
-import os, sys, tempfile, unittest, traceback
+import os, sys, tempfile, unittest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test"))
-import torch, torch.distributed as dist
+import torch.distributed as dist
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 import torch_fsdp_ext
@@ -82,4 +82,9 @@ for name, f in [("1 optimizer-first DCP resume", f1), ("2 full-state-dict set_st
     except Exception as e:
         result = f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
     if rank == 0: print(f"finding {name}: {result}", flush=True)
+# Note: the end docs/reliability.md recommends ("Abort at exit"), written out: the checkout under test may
+# predate torch_fsdp_ext._rank_end.
+dist.barrier()
 dist.destroy_process_group()
+sys.stderr.flush()
+os._exit(0)

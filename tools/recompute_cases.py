@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import tempfile
 
 os.environ.setdefault("TORCH_FSDP_EXT_DISABLE", "1")
@@ -25,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
 from torch_fsdp_ext._compat import fsdp2_api
+from torch_fsdp_ext._rank_end import end_rank
 
 fully_shard, MixedPrecisionPolicy = fsdp2_api().fully_shard, fsdp2_api().MixedPrecisionPolicy
 
@@ -206,4 +206,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_rank(exit_status=main())  # no interpreter shutdown: docs/reliability.md, "Abort at exit"

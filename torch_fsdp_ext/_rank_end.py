@@ -21,10 +21,10 @@ from typing import NoReturn
 import torch.distributed as dist
 
 
-def end_rank(wait_for_peers: bool = True) -> NoReturn:
-    """End this process with status 0: every rank past its collectives (a barrier, unless
+def end_rank(wait_for_peers: bool = True, exit_status: int = 0) -> NoReturn:
+    """End this process with ``exit_status``: every rank past its collectives (a barrier, unless
     ``wait_for_peers`` is false, e.g. after a fault), the default group destroyed, logging and
-    standard streams flushed, then ``os._exit(0)``. Write results before calling it."""
+    standard streams flushed, then ``os._exit(exit_status)``. Write results before calling it."""
     if dist.is_initialized():
         if wait_for_peers:
             dist.barrier()
@@ -32,4 +32,4 @@ def end_rank(wait_for_peers: bool = True) -> NoReturn:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(exit_status)

@@ -249,7 +249,11 @@ def main() -> None:
         result["error"] = f"{type(e).__name__}: {e}"
     finally:
         dist.destroy_process_group()
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
+    # Note: no interpreter shutdown, where a gloo worker can abort the process (docs/reliability.md, "Abort at
+    # exit"). Written out, not torch_fsdp_ext's end_rank: without --plugin this script never imports the plugin.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

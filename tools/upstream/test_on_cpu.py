@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import torch.distributed as dist
 from torch.testing._internal import common_distributed
@@ -45,10 +46,18 @@ class _GlooOnCPU:
         self.rank = rank
         self.file_name = file_name
         dist.init_process_group("gloo", init_method=self.init_method, rank=rank, world_size=self.world_size)
+        exit_status = 0
         try:
             self.run_test(test_name, pipe)
+        except SystemExit as e:  # run_test's skip and error exit codes
+            exit_status = e.code if isinstance(e.code, int) else int(e.code is not None)
         finally:
             dist.destroy_process_group()
+        # Note: a rank ends without interpreter shutdown, where a gloo worker can abort it
+        # (gloo_exit_abort_repro.py): the rank's exit status stays the test's own.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_status)
 
 
 def _run_with_gloo_ranks(test_fn) -> None:
