@@ -102,10 +102,10 @@ class TestTools(TestCase):
         "counted on CPU builds of torch only: a CUDA build loads its CUDA libraries under valgrind, minutes more per run",
     )
     def test_instruction_counts_quick(self):
-        # Four callgrind processes (each re-imports torch under valgrind: most of this test's time), 2 steps of
-        # unpatched and of patched, each counted twice, no checkpointing. The tool exits 1 when the plugin adds
-        # more than the bound per FSDP forward beyond the A/A spread (fresh processes differ by up to ~30k
-        # instructions per step on a loaded machine).
+        # Six callgrind processes (each re-imports torch under valgrind: most of this test's time), 2 steps of
+        # unpatched and of patched, each at 3 address shifts, no checkpointing. The tool exits 1 when the plugin
+        # adds more than the bound per FSDP forward beyond the spread over the shifts (where things lie in memory
+        # moves a count by tens of thousands of instructions per step).
         result = run_tool("tools/bench_instructions.py", "--quick", timeout=1200)
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         row = next(line for line in result.stdout.splitlines() if line.strip().startswith("no checkpoint"))

@@ -1,10 +1,10 @@
 """Instructions the plugin adds per FSDP forward, counted by callgrind: deterministic where time is not.
 
-    python tools/bench_instructions.py                # world 1 and 2, no / per-block checkpoint, A/A repeats,
+    python tools/bench_instructions.py                # world 1 and 2, no / per-block checkpoint, 2 address shifts,
                                                       # mixed model, per-wrapper breakdown; exit 1 on a missed bound
     python tools/bench_instructions.py --world 1 --no-aa --no-breakdown --no-mixed   # the four counts of world 1
     python tools/bench_instructions.py --functions 25 # also the C functions whose counts the plugin changes most
-    python tools/bench_instructions.py --quick        # CI form: world 1, no checkpoint, 2 steps, A/A; bound checked
+    python tools/bench_instructions.py --quick        # CI form: world 1, no checkpoint, 2 steps, 3 shifts; bound
     python tools/bench_instructions.py --bytecodes    # no valgrind, seconds: the plugin's Python bytecodes per step
     python tools/bench_instructions.py --layout roots # each checkpointed block is called directly, its own root
     python tools/bench_instructions.py --layout direct --world 1 --no-mixed   # the same under a sharded Stack that
@@ -25,10 +25,13 @@ its own with ``PYTHONHASHSEED=0`` (``--jobs`` at a time): the Timer's setup buil
 the model, sets the plugin's state and warms up, its statement runs the counted
 steps. Counted within one process one after the other, configurations differ by
 ~250k instructions per step in 18 M (allocator state, address-keyed hashing),
-more than the plugin adds; fresh processes repeat to a few hundred on an idle
-machine and differ by up to ~30k per step on a loaded one. The unpatched and patched
-counts are each taken twice (not with ``--no-aa``): the A/A column is the larger
-spread, and a bound is missed when the plugin adds more than it beyond that spread.
+more than the plugin adds. Fresh processes of one build repeat to about a thousand
+per step, but where things lie in memory moves a count by tens of thousands: builds
+that differ in no code a step runs differed by that much. So unpatched and patched
+are each counted at several address shifts (2; ``--quick`` 3; ``--no-aa`` 1): the
+heap and stack moved by a different amount in each process. "Added" compares their
+means, and a bound is missed when the plugin adds more than it beyond the larger
+spread of one configuration over the shifts.
 
 Note: world size 2 runs on torch's fake process group (collectives move no data):
 FSDP shards as on two ranks and the plugin's per-forward paths are the same as on
@@ -48,6 +51,7 @@ import concurrent.futures
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -179,7 +183,7 @@ def switch(plugin: str | None, bypass: str | None = None) -> Bypass:
 class Plan:
     """One configuration, built and warmed up in the Timer's setup; ``run()`` (the Timer's statement) counts its steps."""
 
-    def __init__(self, config: dict, world: int, steps: int) -> None:
+    def __init__(self, config: dict, world: int, steps: int, address_shift: int) -> None:
         self.steps = steps
         self.layout = config.get("layout", "stack")
         if world == 1:
@@ -196,6 +200,12 @@ class Plan:
         # differed only in code no step runs.
         torch_fsdp_ext.install()
         torch_fsdp_ext.uninstall()
+        # Note: the address shift (with the environment's length in count_here) moves the heap and the stack
+        # under everything built from here on. Address-keyed hashing and alignment make a count depend on
+        # where things lie: builds of the package that differ in no code a step runs measured -3,723 to +5,914
+        # per forward, while repeats of one build differed by at most 1,060 per step. Counting each
+        # configuration at several shifts samples that spread within one build.
+        self.shifted = ([bytearray(8 * i + 8) for i in range(97 * address_shift)], torch.empty(1031 * address_shift))
         self.model = build(config)
         self.bypass = switch(config["plugin"], config["bypass"])
         for _ in range(WARMUP_STEPS):  # lazy init, rank check, caches
@@ -211,7 +221,7 @@ class Plan:
         if not under_valgrind():
             return None
         spec = json.loads(os.environ[PLAN_ENV])
-        return cls(spec["config"], spec["world"], spec["steps"])
+        return cls(spec["config"], spec["world"], spec["steps"], spec["address_shift"])
 
     def run(self) -> None:
         for _ in range(self.steps):
@@ -231,10 +241,10 @@ def count_here(spec: dict) -> dict:
     one callgrind process (called in a worker)."""
     from torch.utils.benchmark import Timer
 
-    # Note: padded to one length. The environment sits on the stack of the counted process: a
-    # longer one shifts every stack address, and counts with it (~0.4 % between configurations
-    # whose specs differ by a few characters, more than the plugin adds).
-    os.environ[PLAN_ENV] = json.dumps(spec).ljust(SPEC_LENGTH)
+    # Note: padded to one length per address shift. The environment sits on the stack of the
+    # counted process: a longer one shifts every stack address, and counts with it (~0.4 %
+    # between configurations whose specs differ by a few characters, more than the plugin adds).
+    os.environ[PLAN_ENV] = json.dumps(spec).ljust(SPEC_LENGTH + 40 * spec["address_shift"])
     os.environ["PYTHONHASHSEED"] = "0"
     # collect_callgrind starts ``python`` from PATH: make it this interpreter (and its venv).
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -248,15 +258,16 @@ def count_here(spec: dict) -> dict:
     return {"total": stats.counts(denoise=False), "functions": [[f.count, f.function] for f in functions]}
 
 
-def count(configs: list[dict], world: int, steps: int, jobs: int) -> list[dict]:
-    """Instructions of ``steps`` steps of each configuration, each from a callgrind process of its own.
+def count(runs: list[tuple[dict, int]], world: int, steps: int, jobs: int) -> list[dict]:
+    """Instructions of ``steps`` steps of each (configuration, address shift), each from a callgrind process of
+    its own.
 
     Note: one process per count. Within one process, configurations counted one
     after the other differ by ~250k instructions per step in 18 M (allocator
     state, address-keyed hashing): more than the plugin adds. Fresh processes
     with ``PYTHONHASHSEED=0`` running the same script repeat to a few hundred.
     """
-    specs = [{"config": c, "world": world, "steps": steps} for c in configs]
+    specs = [{"config": c, "world": world, "steps": steps, "address_shift": shift} for c, shift in runs]
 
     def one(spec: dict) -> dict:
         result = subprocess.run([sys.executable, __file__, "--count-one", json.dumps(spec)],
@@ -330,8 +341,10 @@ def main() -> int:
     parser.add_argument("--world", type=int, choices=[1, 2], action="append", help="world size(s); default 1 and 2")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the per-wrapper breakdown")
     parser.add_argument("--no-mixed", action="store_true", help="skip preserve/upcast on the mixed-dtype model")
-    parser.add_argument("--no-aa", action="store_true", help="count each configuration once (no A/A control)")
-    parser.add_argument("--quick", action="store_true", help="CI: world 1, no checkpoint, 2 steps, each counted twice")
+    parser.add_argument("--no-aa", action="store_true",
+                        help="count unpatched and patched once each (no control: the plain difference)")
+    parser.add_argument("--quick", action="store_true",
+                        help="CI: world 1, no checkpoint, 2 steps, unpatched and patched at 3 address shifts each")
     parser.add_argument("--functions", type=int, default=0, metavar="N",
                         help="also print the N functions whose instructions the plugin changes most (callgrind)")
     parser.add_argument("--jobs", type=int, default=2, help="callgrind processes at a time (default 2)")
@@ -369,28 +382,30 @@ def main() -> int:
              "direct": "each its own root, called by the step (the fully_shard-ed Stack never runs)"}[layout]
           + "; param_dtype=bf16; "
           f"instructions of {steps} steps (forward + backward) per configuration, one callgrind process each")
+    shifts = 1 if args.no_aa else 3 if args.quick else 2
     ok = True
     for world in worlds:
         checkpoints = (False,) if args.quick else (True,) if args.checkpointed_only else (False, True)
-        configs, rows = [], []
+        runs: list[tuple[dict, int]] = []
+        rows = []
         for checkpoint in checkpoints:
-            configs += [config(checkpoint, None), config(checkpoint, "upcast")]
-            if not args.no_aa:  # each again, in a process of its own: the A/A controls
-                configs += [config(checkpoint, None), config(checkpoint, "upcast")]
+            for shift in range(shifts):  # the control: unpatched and patched, each at every address shift
+                runs += [(config(checkpoint, None), shift), (config(checkpoint, "upcast"), shift)]
         mixed = not args.quick and not args.no_mixed and world == worlds[0]
         if mixed:
-            configs += [config(False, None, "mixed, model.float()"), config(False, "upcast", "mixed", built="upcast"),
-                        config(False, "preserve", "mixed", built="preserve")]
+            runs += [(config(False, None, "mixed, model.float()"), 0),
+                     (config(False, "upcast", "mixed", built="upcast"), 0),
+                     (config(False, "preserve", "mixed", built="preserve"), 0)]
         groups = [] if args.quick or args.no_breakdown or world != 1 else list(WRAPPER_GROUPS)
         for checkpoint in checkpoints if groups else ():
-            configs += [config(checkpoint, "upcast", bypass=group) for group in groups]
+            runs += [(config(checkpoint, "upcast", bypass=group), 0) for group in groups]
         started = time.monotonic()
-        counts = count(configs, world, steps, args.jobs)
+        counts = count(runs, world, steps, args.jobs)
         seconds = time.monotonic() - started
         per_step = [c["total"] / steps for c in counts]
-        by_config: dict[str, list[float]] = {}
+        by_config: dict[str, list[float]] = {}  # per step, in the order of the address shifts
         functions_of: dict[str, list] = {}
-        for c, n, counted_here in zip(configs, per_step, counts):
+        for (c, _), n, counted_here in zip(runs, per_step, counts):
             by_config.setdefault(json.dumps(c, sort_keys=True), []).append(n)
             functions_of.setdefault(json.dumps(c, sort_keys=True), counted_here["functions"])
 
@@ -398,20 +413,23 @@ def main() -> int:
             return by_config[json.dumps(config(*key_args, **key_kwargs), sort_keys=True)]
 
         def of(*key_args: Any, **key_kwargs: Any) -> float:
+            """The count at address shift 0."""
             return counted(*key_args, **key_kwargs)[0]
+
+        def mean(*key_args: Any, **key_kwargs: Any) -> float:
+            return statistics.fmean(counted(*key_args, **key_kwargs))
 
         added: dict[bool, float] = {}
         for checkpoint in checkpoints:
-            base, patched = of(checkpoint, None), of(checkpoint, "upcast")
+            base, patched = mean(checkpoint, None), mean(checkpoint, "upcast")
             repeats = (counted(checkpoint, None), counted(checkpoint, "upcast"))
-            spread = max(max(r) - min(r) for r in repeats) if len(repeats[0]) > 1 else 0.0
-            control = f"{spread:,.0f}" if len(repeats[0]) > 1 else "-"
+            spread = max(max(r) - min(r) for r in repeats)
+            control = f"{spread:,.0f}" if shifts > 1 else "-"
             added[checkpoint] = patched - base
             per_forward = added[checkpoint] / forwards_per_step(checkpoint)
             bound = BOUND_PER_FORWARD[checkpoint]
-            # Note: fresh processes differ by up to ~30k instructions per step on a loaded machine
-            # (allocator state, address-keyed hashing), as much as the bound allows; a miss is what
-            # the plugin adds beyond the A/A spread.
+            # Note: a miss is what the plugin adds beyond the spread of one configuration over the
+            # address shifts: that much comes from where things lie, not from what runs.
             met = (added[checkpoint] - spread) / forwards_per_step(checkpoint) <= bound
             ok &= met
             rows.append(["per-block non-reentrant checkpoint" if checkpoint else "no checkpoint", f"{base:,.0f}",
@@ -419,9 +437,14 @@ def main() -> int:
                          f"{per_forward:,.0f} ({forwards_per_step(checkpoint)} forwards)",
                          control, f"<= {bound:,}" + ("" if met else " MISSED")])
         print(f"\nworld size {world} ({'gloo, HashStore' if world == 1 else 'fake process group'}); "
-              f"{len(configs)} callgrind processes, {seconds:.0f} s")
-        print(table(["per step", "unpatched", "added by the plugin", "added per FSDP forward", "A/A per step", "bound"],
-                    rows))
+              f"{len(runs)} callgrind processes, {seconds:.0f} s; unpatched and patched: means over {shifts} "
+              "address shift(s)")
+        print(table(["per step", "unpatched", "added by the plugin", "added per FSDP forward",
+                     "spread over shifts per step", "bound"], rows))
+        for checkpoint in checkpoints if shifts > 1 else ():
+            print(f"per step at each address shift, {'per-block checkpoint' if checkpoint else 'no checkpoint'}: "
+                  + "; ".join(f"{name} " + ", ".join(f"{n:,.0f}" for n in counted(checkpoint, plugin))
+                              for name, plugin in (("unpatched", None), ("patched", "upcast"))))
         for checkpoint in checkpoints if args.functions else ():
             print(f"\nthe {args.functions} functions the plugin changes most, "
                   f"{'per-block checkpoint' if checkpoint else 'no checkpoint'}, per step (callgrind, exclusive)")
@@ -443,8 +466,8 @@ def main() -> int:
             breakdown_rows = []
             for group in groups:
                 cells = [group]
-                for checkpoint in checkpoints:
-                    cost = added[checkpoint] - (of(checkpoint, "upcast", bypass=group) - of(checkpoint, None))
+                for checkpoint in checkpoints:  # both at address shift 0
+                    cost = of(checkpoint, "upcast") - of(checkpoint, "upcast", bypass=group)
                     cells.append(f"{cost / forwards_per_step(checkpoint):,.0f}")
                 breakdown_rows.append(cells)
             breakdown_rows.append(["all (added per FSDP forward)"]
