@@ -262,10 +262,7 @@ def count(runs: list[tuple[dict, int]], world: int, steps: int, jobs: int) -> li
     """Instructions of ``steps`` steps of each (configuration, address shift), each from a callgrind process of
     its own.
 
-    Note: one process per count. Within one process, configurations counted one
-    after the other differ by ~250k instructions per step in 18 M (allocator
-    state, address-keyed hashing): more than the plugin adds. Fresh processes
-    with ``PYTHONHASHSEED=0`` running the same script repeat to a few hundred.
+    One process per count: see the module's Note on how the counts are taken.
     """
     specs = [{"config": c, "world": world, "steps": steps, "address_shift": shift} for c, shift in runs]
 

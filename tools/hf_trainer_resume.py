@@ -166,7 +166,7 @@ if __name__ == "__main__":
     arguments = parser.parse_args()
     if arguments.rank_job:
         rank_job(*arguments.rank_job)
-        from torch_fsdp_ext._rank_end import end_rank  # installs nothing where TORCH_FSDP_EXT_DISABLE=1
+        from torch_fsdp_ext._rank_end import end_rank  # the rank job imported the plugin already
 
         end_rank()
     sys.exit(main())
