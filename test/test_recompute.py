@@ -20,6 +20,7 @@ from torch_fsdp_ext import _compat, _recompute
 from torch_fsdp_ext._recompute_records import FrameRecords
 
 from common import HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, MixedPrecisionPolicy, error_text, fully_shard, plugin, plugin_specific
+from test_recompute_refcount import cyclic_gc_off, live_objects
 
 DIM = 16
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -142,11 +143,6 @@ def plugin_with_accelerator() -> Iterator[None]:
     """
     with mock.patch.object(_recompute, "accelerator_available", lambda: True), plugin(True):
         yield
-
-
-def live_frame_records() -> list[FrameRecords]:
-    gc.collect()
-    return [o for o in gc.get_objects() if type(o) is FrameRecords]
 
 
 def checkpoint_whole(model, x, checkpointed, **kwargs):
@@ -351,7 +347,7 @@ class TestReplayMechanics(RecomputeTestCase):
             self.assertIsNone(fix.frames.recompute)
 
     def test_stash_lives_on_the_frame_and_holds_no_tensors(self):
-        with plugin_with_accelerator():
+        with plugin_with_accelerator(), cyclic_gc_off():
             model = sharded(Net(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
             x = torch.randn(4, DIM, requires_grad=True)
             out = checkpoint_blocks(model, x, True)
@@ -364,8 +360,7 @@ class TestReplayMechanics(RecomputeTestCase):
                 self.assertFalse(any(isinstance(v, torch.Tensor) for v in record))
             out.sum().backward()
             del out, frames
-            gc.collect()
-            self.assertEqual([o for o in gc.get_objects() if type(o).__name__ == "_CheckpointFrame"], [])
+            self.assertEqual(live_objects("_CheckpointFrame"), 0)  # freed by reference counting
 
     def test_nothing_is_recorded_or_switched_where_nothing_is_replayed(self):
         """No accelerator, a torch that casts in recompute: regions run torch's code, results as without the plugin."""
@@ -385,7 +380,7 @@ class TestReplayMechanics(RecomputeTestCase):
             if not checkpointed:
                 return model(x)
             out = model(x, run_block=lambda block, x: checkpoint(checked_block, block, x, use_reentrant=False))
-            self.assertEqual(live_frame_records(), [])  # three regions wait for their recomputation
+            self.assertEqual(live_objects(FrameRecords.__name__), 0)  # three regions wait for their recomputation
             return out
 
         with plugin(True):

@@ -20,7 +20,6 @@ same loss, gradients and device RNG stream after backward.
 
 from __future__ import annotations
 
-import gc
 from unittest import mock
 
 import torch
@@ -33,6 +32,7 @@ from torch_fsdp_ext import _compat
 from torch_fsdp_ext._recompute_records import FrameRecords
 
 from common import FSDPExtTestCase, full_grads, fully_shard, plugin, plugin_specific
+from test_recompute_refcount import cyclic_gc_off, live_objects
 from test_recompute_rng import DeviceDropout, StandInAccelerator, plugin_with_accelerator
 
 DIM = 8
@@ -78,8 +78,7 @@ def sharded_root(rank: int) -> tuple[Root, StandInAccelerator, torch.Tensor]:
 
 
 def live_frame_records() -> int:
-    gc.collect()
-    return sum(type(o) is FrameRecords for o in gc.get_objects())
+    return live_objects(FrameRecords.__name__)  # not collected: records die by reference counting
 
 
 def after_region(model: Root, out: torch.Tensor) -> torch.Tensor:
@@ -122,7 +121,7 @@ class TestReviewCasesOfTheInputMoveReplay(FSDPExtTestCase):
     def check_equal_to_unpatched(self, case, moved_plain: list[bool], moved_fixed: list[bool]) -> None:
         with plugin(False):
             plain = self.step(case)
-        with plugin_with_accelerator():
+        with plugin_with_accelerator(), cyclic_gc_off():
             fixed = self.step(case)  # raises where the plugin adds an error
             self.assertEqual(live_frame_records(), 0)
         # Per forward and recomputation: the plugin replays the move; unpatched torch leaves the inputs as they are.
@@ -159,11 +158,11 @@ class TestReviewCasesOfTheInputMoveReplay(FSDPExtTestCase):
             del kept
             return checkpoint(model, x, use_reentrant=False).pow(2).sum()
 
-        with plugin(False):
+        with plugin(False), cyclic_gc_off():
             plain = self.step(forwards)
         self.assertEqual(live_records, [0, 0, 0])
         live_records.clear()
-        with plugin_with_accelerator():
+        with plugin_with_accelerator(), cyclic_gc_off():
             fixed = self.step(forwards)
             self.assertEqual(live_records, [0, 3, 0])  # one per live region, each holding its move
             self.assertEqual(live_frame_records(), 0)

@@ -32,8 +32,8 @@ import torch
 
 from . import _compat
 from ._patching import PatchSet
-from ._recompute_records import attach_records, find_records, wrap_forward_enter
-from ._recompute_replay import wrap_exit, wrap_post_forward, wrap_pre_forward, wrap_recompute_enter
+from ._recompute_records import attach_records, find_records, wrap_forward_enter, wrap_forward_exit
+from ._recompute_replay import wrap_post_forward, wrap_pre_forward, wrap_recompute_enter, wrap_recompute_exit
 from ._recompute_switch import ActiveFrames, HookSwitch
 
 
@@ -107,13 +107,12 @@ class RecomputeReplay:
     def install(self, patches: PatchSet) -> None:
         internals = self.internals
         # Each wrapper is made for this fix (its first argument) and binds this fix's frames and switch then.
-        exit_wrapper = functools.partial(wrap_exit, self)
         patches.wrap(internals.checkpoint_hook, "__init__", functools.partial(attach_records, self))
         patches.wrap(internals.recomputation_hook, "__init__", functools.partial(find_records, self))
         patches.wrap(internals.checkpoint_hook, "__enter__", functools.partial(wrap_forward_enter, self))
         patches.wrap(internals.recomputation_hook, "__enter__", functools.partial(wrap_recompute_enter, self))
-        patches.wrap(internals.checkpoint_hook, "__exit__", exit_wrapper)
-        patches.wrap(internals.recomputation_hook, "__exit__", exit_wrapper)
+        patches.wrap(internals.checkpoint_hook, "__exit__", functools.partial(wrap_forward_exit, self))
+        patches.wrap(internals.recomputation_hook, "__exit__", functools.partial(wrap_recompute_exit, self))
         pre, post = internals.FSDPState.__dict__["_pre_forward"], internals.FSDPState.__dict__["_post_forward"]
         pre_cell, post_cell = _compat.switchable_method_cell(pre), _compat.switchable_method_cell(post)
         if pre_cell is not None and post_cell is not None:

@@ -26,6 +26,7 @@ import torch
 
 from . import _compat
 from ._patching import wraps
+from ._recompute_switch import remove_entry
 
 if TYPE_CHECKING:
     from ._recompute import RecomputeReplay
@@ -52,14 +53,22 @@ class FrameRecords:
     While the region runs forward, its records are the region's entry on the thread's
     frame stack. Built by ``attach_records`` without an ``__init__`` of its own: a
     Python-level call per region is a measurable part of what checkpointing costs here.
+
+    Note: nothing here refers to the frame or to its hooks. The frame and its
+    checkpoint and recomputation hooks refer to the records, and the hooks' pack
+    and unpack closures refer to the frame: a reference from the records back to
+    either would make a cycle that keeps the frame, its records and the region's
+    inputs alive until the cyclic garbage collector runs, where plain torch frees
+    them by reference counting when the region's graph goes.
     """
 
     any_autocast = False  # some module forward in the region ran under autocast
     any_replay = False  # some module forward's context is not PLAIN_FORWARD
     input_move_devices: tuple[torch.device, ...] = ()  # where root input moves in the region went
     contexts: dict[Any, list[ForwardContext]]  # per module, in call order
-    hook: Any  # the region's _checkpoint_hook
-    recompute_fn: Callable  # the frame's, which knows the checkpoint's preserve_rng_state
+    # The frame's, which knows the checkpoint's preserve_rng_state; it refers to the region's
+    # function and keyword arguments, not to the frame.
+    recompute_fn: Callable
 
 
 RECORDS_ATTR = "_torch_fsdp_ext_records"
@@ -86,7 +95,7 @@ def attach_records(fix: RecomputeReplay, original: Callable) -> Callable:
         # Note: never raises. A frame unlike the probed one gets no records: its region runs as torch alone runs it.
         try:
             records = FrameRecords()
-            records.contexts, records.hook, records.recompute_fn = {}, hook, frame.recompute_fn
+            records.contexts, records.recompute_fn = {}, frame.recompute_fn
             setattr(frame, RECORDS_ATTR, records)
             setattr(hook, RECORDS_ATTR, records)
         except Exception:  # noqa: BLE001
@@ -129,6 +138,27 @@ def wrap_forward_enter(fix: RecomputeReplay, original: Callable) -> Callable:
         return result
 
     return __enter__
+
+
+def wrap_forward_exit(fix: RecomputeReplay, original: Callable) -> Callable:
+    """``_checkpoint_hook.__exit__``: the region's forward ends; its records leave the thread's frame stack."""
+    frames, lock, frames_anywhere, cells = fix.frames, fix.switch.lock, fix.switch.frames_anywhere, fix.switch.cells
+
+    @wraps(original)
+    def __exit__(hook: Any, exc_type: Any, exc_value: Any, traceback: Any) -> Any:
+        stack = frames.stack if frames_anywhere else None
+        if stack:
+            records = getattr(hook, RECORDS_ATTR, None)
+            entry = stack.pop() if stack[-1] is records else remove_entry(stack, records)
+            if entry is not None:
+                with lock:  # HookSwitch.pop
+                    frames_anywhere.pop()
+                    if not frames_anywhere:
+                        for cell, original_method, _ in cells:
+                            cell.cell_contents = original_method
+        return original(hook, exc_type, exc_value, traceback)
+
+    return __exit__
 
 
 def record_input_move(

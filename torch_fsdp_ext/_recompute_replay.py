@@ -155,30 +155,26 @@ def wrap_recompute_enter(fix: RecomputeReplay, original: Callable) -> Callable:
     return __enter__
 
 
-def wrap_exit(fix: RecomputeReplay, original: Callable) -> Callable:
-    """``__exit__`` of both checkpoint hooks: a region's forward or a recomputation ends; its frame leaves the stack."""
-    frames, lock, frames_anywhere, cells = fix.frames, fix.switch.lock, fix.switch.frames_anywhere, fix.switch.cells
+def wrap_recompute_exit(fix: RecomputeReplay, original: Callable) -> Callable:
+    """``_recomputation_hook.__exit__``: a recomputation ends; its frame leaves the stack, what it replayed is undone."""
+    frames, switch = fix.frames, fix.switch
 
     @wraps(original)
     def __exit__(hook: Any, exc_type: Any, exc_value: Any, traceback: Any) -> Any:
-        stack = frames.stack if frames_anywhere else None
-        if stack:
-            entry = stack.pop() if stack[-1].hook is hook else remove_entry(stack, hook)
-            if entry is not None:
-                with lock:
-                    frames_anywhere.pop()
-                    if not frames_anywhere:
-                        for cell, original_method, _ in cells:
-                            cell.cell_contents = original_method
-            if type(entry) is RecomputeFrame:
-                frames.recompute = entry.outer
-                if entry.open:
-                    unwind(entry)
-                if entry.device_rng_on_entry is not None:
-                    # As fork_rng ends checkpoint's recomputation for the devices it knows.
-                    for device, rng_state in entry.device_rng_on_entry.items():
-                        if rng_state is not None:
-                            _compat.set_device_rng_state(device, rng_state)
+        # The innermost recomputation is the one that ends (ActiveFrames).
+        entry = frames.recompute if switch.frames_anywhere else None
+        if entry is not None and entry.hook is hook:
+            stack = frames.stack
+            stack.pop() if stack[-1] is entry else remove_entry(stack, entry)
+            switch.pop()
+            frames.recompute = entry.outer
+            if entry.open:
+                unwind(entry)
+            if entry.device_rng_on_entry is not None:
+                # As fork_rng ends checkpoint's recomputation for the devices it knows.
+                for device, rng_state in entry.device_rng_on_entry.items():
+                    if rng_state is not None:
+                        _compat.set_device_rng_state(device, rng_state)
         return original(hook, exc_type, exc_value, traceback)
 
     return __exit__

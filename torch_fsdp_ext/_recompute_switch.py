@@ -66,6 +66,13 @@ class HookSwitch:
                 for cell, _, wrapper in self.cells:
                     cell.cell_contents = wrapper
 
+    def pop(self) -> None:
+        with self.lock:
+            self.frames_anywhere.pop()
+            if not self.frames_anywhere:
+                for cell, original, _ in self.cells:
+                    cell.cell_contents = original
+
     def restore(self) -> None:
         # Note: under the lock, and the cells forgotten: a region's enter or exit that passed
         # the fix's ``active`` check on another thread just before uninstall() then finds
@@ -77,9 +84,9 @@ class HookSwitch:
             self.cells.clear()
 
 
-def remove_entry(stack: list, hook: Any) -> FrameRecords | RecomputeFrame | None:
-    """Remove and return ``hook``'s entry below the top of the stack (a region whose forward ended late)."""
+def remove_entry(stack: list, entry: FrameRecords | RecomputeFrame | None) -> FrameRecords | RecomputeFrame | None:
+    """Remove and return ``entry`` from below the top of the stack (a region whose forward ended late)."""
     for i in range(len(stack) - 2, -1, -1):
-        if stack[i].hook is hook:
+        if stack[i] is entry:
             return stack.pop(i)
     return None
