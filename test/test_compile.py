@@ -17,7 +17,8 @@ from torch.testing._internal.common_utils import run_tests
 from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
-from torch_fsdp_ext import _compat, _install, _recompute
+from torch_fsdp_ext import _compat, _install
+from torch_fsdp_ext._recompute import _state as recompute_state
 
 from common import FSDPExtTestCase, MixedPrecisionPolicy, fully_shard, plugin, plugin_specific
 
@@ -145,7 +146,7 @@ class DecoratedAsFSDPTest(unittest.TestCase):
         undecorated = {name: original.__wrapped__ for name, original in originals.items()}
         # As on a machine with an accelerator: without one, on a torch that casts in recompute by itself,
         # regions have nothing to replay and never switch the hooks (RecomputeReplay.records_regions).
-        with mock.patch.object(_recompute, "accelerator_available", lambda: True), plugin(True):
+        with mock.patch.object(recompute_state, "accelerator_available", lambda: True), plugin(True):
             fix = _install._active.get("recompute", (None, None))[0]
             if fix is None:
                 self.skipTest("the recompute fix is not needed on this torch, so FSDP's hooks are not wrapped")

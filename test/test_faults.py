@@ -356,7 +356,8 @@ class TestUninstallDuringAHookSwitch(TestCase):
         ``uninstall()`` on another thread must not switch FSDP's hook cells back to the wrapper
         afterwards: a later ``install()`` would take that wrapper for torch's method."""
         from torch_fsdp_ext import _install
-        from torch_fsdp_ext._recompute_records import RECORDS_ATTR, FrameRecords, wrap_forward_enter
+        from torch_fsdp_ext._recompute._frames import RECORDS_ATTR, FrameRecords
+        from torch_fsdp_ext._recompute._records import wrap_forward_enter
 
         with plugin(True):
             fix = _install._active["recompute"][0]

@@ -16,8 +16,9 @@ from torch.testing._internal.common_utils import run_tests
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 import torch_fsdp_ext
-from torch_fsdp_ext import _compat, _recompute
-from torch_fsdp_ext._recompute_records import FrameRecords
+from torch_fsdp_ext import _compat
+from torch_fsdp_ext._recompute import _state as recompute_state
+from torch_fsdp_ext._recompute._frames import FrameRecords
 
 from common import HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, MixedPrecisionPolicy, error_text, fully_shard, plugin, plugin_specific
 from test_recompute_refcount import cyclic_gc_off, live_objects
@@ -141,7 +142,7 @@ def plugin_with_accelerator() -> Iterator[None]:
     checkpoint does not restore); without an accelerator, on a torch that casts in recompute by
     itself, the plugin keeps no records at all (``RecomputeReplay.records_regions``).
     """
-    with mock.patch.object(_recompute, "accelerator_available", lambda: True), plugin(True):
+    with mock.patch.object(recompute_state, "accelerator_available", lambda: True), plugin(True):
         yield
 
 
@@ -364,7 +365,7 @@ class TestReplayMechanics(RecomputeTestCase):
 
     def test_nothing_is_recorded_or_switched_where_nothing_is_replayed(self):
         """No accelerator, a torch that casts in recompute: regions run torch's code, results as without the plugin."""
-        if HAS_RECOMPUTE_CAST_BUG or _recompute.accelerator_available():
+        if HAS_RECOMPUTE_CAST_BUG or recompute_state.accelerator_available():
             with plugin(True):
                 self.assertTrue(torch_fsdp_ext._install._active["recompute"][0].records_regions)
             self.skipTest("this torch skips the input cast in recompute, or this machine has an accelerator: "

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.testing._internal.common_utils import run_tests
 from torch.utils.checkpoint import checkpoint
 
-from torch_fsdp_ext._recompute_records import FrameRecords
+from torch_fsdp_ext._recompute._frames import FrameRecords
 
 from common import HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, MixedPrecisionPolicy, fully_shard, plugin, plugin_specific
 from test_recompute_rng import plugin_with_accelerator, sharded_model

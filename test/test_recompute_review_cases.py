@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
 from torch_fsdp_ext import _compat
-from torch_fsdp_ext._recompute_records import FrameRecords
+from torch_fsdp_ext._recompute._frames import FrameRecords
 
 from common import FSDPExtTestCase, full_grads, fully_shard, plugin, plugin_specific
 from test_recompute_refcount import cyclic_gc_off, live_objects

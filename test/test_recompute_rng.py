@@ -37,7 +37,8 @@ import torch.nn as nn
 from torch.testing._internal.common_utils import run_tests
 from torch.utils.checkpoint import checkpoint
 
-from torch_fsdp_ext import _compat, _recompute, _recompute_replay
+from torch_fsdp_ext import _compat
+from torch_fsdp_ext._recompute import _replay as recompute_replay, _state as recompute_state
 
 from common import FSDPExtTestCase, error_text, full_grads, fully_shard, plugin, plugin_specific
 
@@ -89,7 +90,7 @@ class StandInAccelerator:
 @contextlib.contextmanager
 def plugin_with_accelerator() -> Iterator[None]:
     """The plugin installed as on a machine with an accelerator (the stand-in's)."""
-    with mock.patch.object(_recompute, "accelerator_available", lambda: True), plugin(True):
+    with mock.patch.object(recompute_state, "accelerator_available", lambda: True), plugin(True):
         yield
 
 
@@ -195,7 +196,7 @@ class TestRootInputMoveRNG(RecomputeRNGTestCase):
             unfixed = self.step(checkpointed_root)
         with plugin_with_accelerator():
             fixed = self.step(checkpointed_root)
-            with mock.patch.object(_recompute_replay, "replay_device_rng", lambda *args: None):
+            with mock.patch.object(recompute_replay, "replay_device_rng", lambda *args: None):
                 without_rng_replay = self.step(checkpointed_root)
 
         # Plain torch does not move the inputs in the recomputation (on a device: a device mismatch).

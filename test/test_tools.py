@@ -86,10 +86,10 @@ class TestTools(TestCase):
         self.assertRegex(without, r"\n\s*total\s+0\s+0\n")
         rows = {line.split()[0]: line.split()[1:] for line in with_checkpoint.splitlines()[1:] if line.strip()}
         if RecomputeReplay(_compat.load_internals()).records_regions:
-            self.assertIn("_recompute_replay.py:_pre_forward", rows, result.stdout)  # regions keep records
+            self.assertIn("_replay.py:_pre_forward", rows, result.stdout)  # regions keep records
             return
-        hook_wrappers = {"_recompute_records.py:__init__", "_recompute_records.py:__enter__",
-                         "_recompute_replay.py:__enter__", "_recompute_replay.py:__exit__"}
+        hook_wrappers = {"_records.py:__init__", "_records.py:__enter__", "_records.py:__exit__",
+                         "_replay.py:__enter__", "_replay.py:__exit__"}
         self.assertEqual(set(rows) - {"total"}, hook_wrappers, result.stdout)
         self.assertEqual(rows["total"][1], str(6 * 8), result.stdout)  # __init__, __enter__, __exit__ of 2 hooks
 

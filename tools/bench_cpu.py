@@ -917,7 +917,7 @@ def measure_decorator(calls: int, rounds: int) -> dict[str, float]:
     wrappers' common path. Arrangements alternate within each round.
     """
     from torch_fsdp_ext._recompute import RecomputeReplay
-    from torch_fsdp_ext._recompute_replay import wrap_post_forward, wrap_pre_forward
+    from torch_fsdp_ext._recompute._replay import wrap_post_forward, wrap_pre_forward
 
     torch_fsdp_ext.uninstall()
     internals = _compat.load_internals()

@@ -28,9 +28,9 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
-from torch_fsdp_ext import _recompute
 from torch_fsdp_ext._compat import fsdp2_api
-from torch_fsdp_ext._recompute_records import FrameRecords
+from torch_fsdp_ext._recompute import _state as recompute_state
+from torch_fsdp_ext._recompute._frames import FrameRecords
 
 DIM, BLOCKS, RUNS = 16, 4, 10
 
@@ -80,7 +80,7 @@ def main() -> int:
         for backward, scenario in ((True, "steps"), (False, "dropped")):
             torch_fsdp_ext.uninstall()
             rows[("plain torch", scenario)] = run(backward)
-            with mock.patch.object(_recompute, "accelerator_available", lambda: True):
+            with mock.patch.object(recompute_state, "accelerator_available", lambda: True):
                 torch_fsdp_ext.install()
             rows[("plugin", scenario)] = run(backward)
             torch_fsdp_ext.uninstall()

@@ -1,7 +1,6 @@
-"""The replay of a checkpointed region's forward in its recomputation: one recomputation that the
-replay follows (where it is in the region's records, what it entered, and undoing that when it ends
-early), the recomputation hook's enter and exit, and FSDP's pre/post-forward, which replay a
-forward's context in a recomputation and record it in a region's forward.
+"""The replay of a checkpointed region's forward in its recomputation: the recomputation hook's enter
+and exit (undoing what a replay entered when it ends early), and FSDP's pre/post-forward, which
+replay a forward's context in a recomputation and record it in a region's forward.
 
 Note: cost. Every FSDP pre-forward inside a checkpointed region runs this,
 so the common case is kept to a few attribute reads: autocast state is read
@@ -27,59 +26,16 @@ replay entered is undone when the recomputation hook exits (``unwind``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _compat
-from ._patching import wraps
-from ._recompute_records import (
-    PLAIN_FORWARD, RECORDS_ATTR, ForwardContext, FrameRecords, capture_autocast, record_input_move,
-)
-from ._recompute_switch import remove_entry
-
-if TYPE_CHECKING:
-    from ._recompute import RecomputeReplay
-
-
-class Replay(NamedTuple):
-    """A replayed pre-forward whose post-forward still has work: exit autocast, cast the output."""
-
-    module: Any
-    output_dtype: torch.dtype | None
-    autocast_contexts: tuple[Any, ...]  # entered torch.amp.autocast objects, to exit
-
-
-class RecomputeFrame:
-    """A ``_recomputation_hook`` that is active: one recomputation of one region."""
-
-    __slots__ = (
-        "hook", "contexts", "cursor", "open", "autocast_on_entry", "replays_every_forward", "outer",
-        "device_rng_on_entry", "device_rng_set",
-    )
-
-    def __init__(self, hook: Any, records: FrameRecords, outer: RecomputeFrame | None) -> None:
-        self.hook = hook
-        self.contexts = records.contexts
-        # RNG state per device of a root input move when this recomputation began, restored when it ends;
-        # None: the region moved no inputs, or its checkpoint does not preserve RNG state.
-        self.device_rng_on_entry: dict[torch.device, torch.Tensor] | None = None
-        self.device_rng_set: set[torch.device] = set()  # devices whose RNG state the replay set
-        self.cursor: dict[Any, int] = {}
-        self.open: list[Replay] = []
-        # Autocast state per device type when this recomputation began; None: autocast is not replayed.
-        self.autocast_on_entry: dict[str, tuple[bool, torch.dtype]] | None = None
-        # A plain forward (no root move, autocast off) needs a replay too: a cast or autocast to restore.
-        self.replays_every_forward = False
-        self.outer = outer  # the recomputation this one runs inside, if any
-
-    def next_context(self, module: Any) -> ForwardContext | None:
-        index = self.cursor.get(module, 0)
-        contexts = self.contexts.get(module)
-        if contexts is None or index >= len(contexts):
-            return None
-        self.cursor[module] = index + 1
-        return contexts[index]
+from .. import _compat
+from .._patching import wraps
+from ._frames import PLAIN_FORWARD, RECORDS_ATTR, ForwardContext, RecomputeFrame, Replay
+from ._records import capture_autocast, record_input_move
+from ._state import ReplayState
+from ._switch import remove_entry
 
 
 def autocast_off(device_type: str) -> tuple[tuple[str, bool, None], ...]:
@@ -116,7 +72,7 @@ def unwind(entry: RecomputeFrame) -> None:
 # -- the recomputation hook ------------------------------------------------------
 
 
-def wrap_recompute_enter(fix: RecomputeReplay, original: Callable) -> Callable:
+def wrap_recompute_enter(fix: ReplayState, original: Callable) -> Callable:
     """``_recomputation_hook.__enter__``: a recomputation starts; it goes on the frame stack where it replays."""
     frames, switch = fix.frames, fix.switch
     device_types = autocast_device_types()
@@ -155,7 +111,7 @@ def wrap_recompute_enter(fix: RecomputeReplay, original: Callable) -> Callable:
     return __enter__
 
 
-def wrap_recompute_exit(fix: RecomputeReplay, original: Callable) -> Callable:
+def wrap_recompute_exit(fix: ReplayState, original: Callable) -> Callable:
     """``_recomputation_hook.__exit__``: a recomputation ends; its frame leaves the stack, what it replayed is undone."""
     frames, switch = fix.frames, fix.switch
 
@@ -183,7 +139,7 @@ def wrap_recompute_exit(fix: RecomputeReplay, original: Callable) -> Callable:
 # -- FSDP pre/post-forward -------------------------------------------------------
 
 
-def wrap_pre_forward(fix: RecomputeReplay, original: Callable) -> Callable:
+def wrap_pre_forward(fix: ReplayState, original: Callable) -> Callable:
     """``FSDPState._pre_forward``: replay the forward's context in a recomputation, record it in a region's forward."""
     frames, frames_anywhere = fix.frames, fix.switch.frames_anywhere
     pre_backward = fix.internals.TrainingState.PRE_BACKWARD
@@ -240,7 +196,7 @@ def wrap_pre_forward(fix: RecomputeReplay, original: Callable) -> Callable:
     return _pre_forward
 
 
-def wrap_post_forward(fix: RecomputeReplay, original: Callable) -> Callable:
+def wrap_post_forward(fix: ReplayState, original: Callable) -> Callable:
     """``FSDPState._post_forward``: end the replay of its pre-forward (autocast entered, output cast)."""
     frames, frames_anywhere = fix.frames, fix.switch.frames_anywhere
 
@@ -263,7 +219,7 @@ def wrap_post_forward(fix: RecomputeReplay, original: Callable) -> Callable:
 
 
 def replay_pre_forward(
-    fix: RecomputeReplay, recompute: RecomputeFrame, state: Any, module: Any, context: ForwardContext, args: tuple,
+    fix: ReplayState, recompute: RecomputeFrame, state: Any, module: Any, context: ForwardContext, args: tuple,
     kwargs: dict,
 ) -> tuple[tuple, dict]:
     """What FSDP's pre-forward skips in a recomputation: the root input move, the input cast, the forward's autocast."""
@@ -287,7 +243,7 @@ def replay_pre_forward(
 
 
 def replay_root_claim(
-    fix: RecomputeReplay, recompute: RecomputeFrame, state: Any, module: Any, context: ForwardContext, inputs: tuple
+    fix: ReplayState, recompute: RecomputeFrame, state: Any, module: Any, context: ForwardContext, inputs: tuple
 ) -> None:
     """Make the root claim of a module that FSDP runs as a forward in a recomputation what it was in the forward.
 

@@ -1,30 +1,12 @@
-"""The frame stack and hook switch of the recompute replay: which checkpoint frames are active on
-each thread, and FSDP's forward hooks switched to the replay's wrappers only while some are."""
+"""The hook switch of the recompute replay: FSDP's forward hooks switched to the replay's wrappers
+only while some thread has an active checkpoint frame."""
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from ._recompute_records import FrameRecords
-    from ._recompute_replay import RecomputeFrame
-
-
-class ActiveFrames(threading.local):
-    """Checkpoint frames active on this thread, innermost last (saved-tensor hooks are per thread).
-
-    Note: ``recompute`` is the innermost entry of ``stack`` that is a
-    recomputation, so that the hooks, which run for every FSDP module forward,
-    find it without a search. Recomputations are ``with`` blocks inside
-    checkpoint's unpack hook, so they end in the reverse order of their start;
-    a region's forward can end out of order (its generator is closed late when
-    the forward raised), hence a list for ``stack``.
-    """
-
-    def __init__(self) -> None:
-        self.stack: list[FrameRecords | RecomputeFrame] = []
-        self.recompute: RecomputeFrame | None = None
+from ._frames import FrameRecords, RecomputeFrame
 
 
 class HookSwitch:

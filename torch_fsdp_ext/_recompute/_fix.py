@@ -1,26 +1,5 @@
-"""Recompute replay: an activation-checkpoint recompute of an FSDP2 module sees the
-forward it replaces.
-
-During non-reentrant recomputation FSDP2 is in ``TrainingState.PRE_BACKWARD`` and
-``FSDPState._pre_forward`` skips most of what it did in forward: the
-mixed-precision input cast (fixed upstream in 2.13, pytorch#182580), the output
-cast, and the root's move of inputs onto the FSDP device (still missing). And
-``torch.utils.checkpoint`` restores autocast state only for the device type it
-infers from the *positional* tensor args (the current accelerator when they are
-all on CPU), and RNG state only for the devices of those args: none for the
-device FSDP moves CPU inputs to. The recomputed forward then differs from the
-original one:
-
-    torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Recomputed values for the
-    following tensors have different metadata than during the forward pass.
-
-The fix is in four parts: this module is the fix's interface, and installs the
-wrappers of torch's hooks; ``_recompute_records`` keeps what each checkpointed
-region's forward ran under; ``_recompute_replay`` follows one recomputation and
-replays a forward's context in it; ``_recompute_switch`` keeps the frames active
-per thread and switches FSDP's forward hooks to the wrappers only while there
-are some.
-"""
+"""The recompute fix's interface: what this release needs and replays, and installing the wrappers of
+torch's checkpoint hooks and FSDP's forward hooks."""
 
 from __future__ import annotations
 
@@ -28,39 +7,21 @@ import functools
 import warnings
 from typing import Callable
 
-import torch
-
-from . import _compat
-from ._patching import PatchSet
-from ._recompute_records import attach_records, find_records, wrap_forward_enter, wrap_forward_exit
-from ._recompute_replay import wrap_post_forward, wrap_pre_forward, wrap_recompute_enter, wrap_recompute_exit
-from ._recompute_switch import ActiveFrames, HookSwitch
+from .. import _compat
+from .._patching import PatchSet
+from ._records import attach_records, find_records, wrap_forward_enter, wrap_forward_exit
+from ._replay import wrap_post_forward, wrap_pre_forward, wrap_recompute_enter, wrap_recompute_exit
+from ._state import ReplayState
 
 
-class RecomputeReplay:
+class RecomputeReplay(ReplayState):
     """The ``recompute`` fix."""
 
     name = "recompute"
     summary = "activation-checkpoint recompute under fully_shard replays the forward context"
 
     def __init__(self, internals: _compat.TorchInternals) -> None:
-        self.internals = internals
-        self.active = False
-        self.frames = ActiveFrames()
-        self.switch = HookSwitch()
-        # What this release already replays by itself (probed once, cached).
-        self.upstream_casts_inputs = bool(_compat.probe_recompute_casts_inputs())
-        self.upstream_casts_outputs = bool(_compat.probe_recompute_casts_outputs())
-        self.upstream_moves_inputs = bool(_compat.probe_recompute_moves_inputs())
-        # Note: nothing to replay without an accelerator. Where this torch casts a recomputation's
-        # inputs and outputs itself and the machine has no accelerator, every FSDP module computes on
-        # the CPU: no root moves inputs (FSDP moves them onto an accelerator only), and the only
-        # autocast its ops see is the CPU's, which checkpoint restores for every recomputation. A
-        # recomputation then equals its forward without the plugin, so regions keep no records and
-        # never switch FSDP's hooks to the wrappers: a checkpointed forward runs torch's code.
-        self.records_regions = not (self.upstream_casts_inputs and self.upstream_casts_outputs) or (
-            accelerator_available()
-        )
+        super().__init__(internals)
         self.not_covered: list[str] = []
 
     # -- what this release needs -----------------------------------------------
@@ -151,19 +112,6 @@ class RecomputeReplay:
                 method = pre if kind == "pre" else post
                 if hooks[hook_id].__func__ is not method:
                     patches.rebind_hook(hooks, hook_id, method.__get__(obj))
-
-
-def accelerator_available() -> bool:
-    """Is there an accelerator on this machine (FSDP's device for a root input move, an autocast device)?
-
-    Note: a CUDA build of torch names ``cuda`` as its accelerator on a machine without a GPU too;
-    its ``is_available()`` tells. An accelerator without one is taken to be there.
-    """
-    device_type = _compat.accelerator_device_type()
-    if device_type is None:
-        return False
-    is_available = getattr(getattr(torch, device_type, None), "is_available", None)
-    return bool(is_available()) if is_available is not None else True
 
 
 _warned_traced = False

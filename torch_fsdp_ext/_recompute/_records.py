@@ -1,77 +1,19 @@
-"""Records of a checkpointed region's forward: what its FSDP pre-forwards ran under, kept on the
-region's ``_CheckpointFrame`` for the recompute replay (``_recompute_replay``), and the checkpoint
-hook wrappers that start them.
-
-Note: how the replay is paired with the forward. While a checkpointed region runs
-forward, each FSDP pre-forward stashes a small ``ForwardContext`` (no tensors) on
-that region's ``_CheckpointFrame``, keyed by module (one FSDP state per module), in call order.
-Recomputing a frame runs the same modules in the same order, so a per-recompute
-cursor walks the same lists. Records live on the frame and die with it. A frame
-can be recomputed more than once (one per backward graph task), hence a cursor
-and not a queue that is consumed.
-
-Note: what a record holds. Only what the FSDP state does not tell: whether this
-call was the iteration root that moved the inputs (and then the RNG state of the
-device it moved them to, a few bytes on the host), and the autocast state. The
-input and output casts follow from the state's ``MixedPrecisionPolicy``, fixed
-at ``fully_shard`` time, so the replay reads them there, as upstream's own fix
-of the input cast does.
+"""Records of a checkpointed region's forward: the checkpoint hook's wrappers, which attach a
+region's records to its ``_CheckpointFrame`` and put them on the thread's frame stack while its
+forward runs, and what a root input move inside a region records.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 
-from . import _compat
-from ._patching import wraps
-from ._recompute_switch import remove_entry
-
-if TYPE_CHECKING:
-    from ._recompute import RecomputeReplay
-    from ._recompute_replay import RecomputeFrame
-
-
-class ForwardContext(NamedTuple):
-    """The part of one module forward's context inside a checkpointed region that its FSDP state does not tell."""
-
-    moved_to: torch.device | None  # the iteration root moved inputs here
-    # (device_type, enabled, dtype) for the module's device type and CPU; empty: autocast was off everywhere.
-    autocast: tuple[tuple[str, bool, torch.dtype], ...]
-    autocast_cache: bool | None
-    # ``moved_to``'s RNG state when the inputs were moved (a few bytes on the host); None without a move.
-    device_rng_state: torch.Tensor | None = None
-
-
-PLAIN_FORWARD = ForwardContext(moved_to=None, autocast=(), autocast_cache=None)  # by far the most common
-
-
-class FrameRecords:
-    """The forward contexts of one checkpointed region, kept on its ``_CheckpointFrame``.
-
-    While the region runs forward, its records are the region's entry on the thread's
-    frame stack. Built by ``attach_records`` without an ``__init__`` of its own: a
-    Python-level call per region is a measurable part of what checkpointing costs here.
-
-    Note: nothing here refers to the frame or to its hooks. The frame and its
-    checkpoint and recomputation hooks refer to the records, and the hooks' pack
-    and unpack closures refer to the frame: a reference from the records back to
-    either would make a cycle that keeps the frame, its records and the region's
-    inputs alive until the cyclic garbage collector runs, where plain torch frees
-    them by reference counting when the region's graph goes.
-    """
-
-    any_autocast = False  # some module forward in the region ran under autocast
-    any_replay = False  # some module forward's context is not PLAIN_FORWARD
-    input_move_devices: tuple[torch.device, ...] = ()  # where root input moves in the region went
-    contexts: dict[Any, list[ForwardContext]]  # per module, in call order
-    # The frame's, which knows the checkpoint's preserve_rng_state; it refers to the region's
-    # function and keyword arguments, not to the frame.
-    recompute_fn: Callable
-
-
-RECORDS_ATTR = "_torch_fsdp_ext_records"
+from .. import _compat
+from .._patching import wraps
+from ._frames import RECORDS_ATTR, ForwardContext, FrameRecords, RecomputeFrame
+from ._state import ReplayState
+from ._switch import remove_entry
 
 
 def capture_autocast(device_type: str) -> ForwardContext:
@@ -82,13 +24,13 @@ def capture_autocast(device_type: str) -> ForwardContext:
     return ForwardContext(moved_to=None, autocast=autocast, autocast_cache=torch.is_autocast_cache_enabled())
 
 
-def attach_records(fix: RecomputeReplay, original: Callable) -> Callable:
+def attach_records(fix: ReplayState, original: Callable) -> Callable:
     records_regions = fix.records_regions
 
     @wraps(original)
     def __init__(hook: Any, frame: Any, *args: Any, **kwargs: Any) -> None:
         original(hook, frame, *args, **kwargs)
-        if not records_regions:  # nothing to replay on this machine (RecomputeReplay.records_regions)
+        if not records_regions:  # nothing to replay on this machine (ReplayState.records_regions)
             return
         # Torch gives each frame one checkpoint hook: this is where the frame's records start.
         # setattr, not __dict__: a hook's attributes stay in CPython's inline values (_compat.param_groups_of).
@@ -104,7 +46,7 @@ def attach_records(fix: RecomputeReplay, original: Callable) -> Callable:
     return __init__
 
 
-def find_records(fix: RecomputeReplay, original: Callable) -> Callable:
+def find_records(fix: ReplayState, original: Callable) -> Callable:
     records_regions = fix.records_regions
 
     @wraps(original)
@@ -120,7 +62,7 @@ def find_records(fix: RecomputeReplay, original: Callable) -> Callable:
     return __init__
 
 
-def wrap_forward_enter(fix: RecomputeReplay, original: Callable) -> Callable:
+def wrap_forward_enter(fix: ReplayState, original: Callable) -> Callable:
     """``_checkpoint_hook.__enter__``: the region's forward starts; its records go on the thread's frame stack."""
     frames, lock, frames_anywhere, cells = fix.frames, fix.switch.lock, fix.switch.frames_anywhere, fix.switch.cells
 
@@ -140,7 +82,7 @@ def wrap_forward_enter(fix: RecomputeReplay, original: Callable) -> Callable:
     return __enter__
 
 
-def wrap_forward_exit(fix: RecomputeReplay, original: Callable) -> Callable:
+def wrap_forward_exit(fix: ReplayState, original: Callable) -> Callable:
     """``_checkpoint_hook.__exit__``: the region's forward ends; its records leave the thread's frame stack."""
     frames, lock, frames_anywhere, cells = fix.frames, fix.switch.lock, fix.switch.frames_anywhere, fix.switch.cells
 
