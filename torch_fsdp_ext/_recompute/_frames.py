@@ -83,7 +83,7 @@ class RecomputeFrame:
     )
 
     def __init__(self, hook: Any, records: FrameRecords, outer: RecomputeFrame | None) -> None:
-        self.hook = hook
+        self.hook = hook  # tells its exit; held only by the thread's frame stack, so no cycle through torch's objects
         self.contexts = records.contexts
         # RNG state per device of a root input move when this recomputation began, restored when it ends;
         # None: the region moved no inputs, or its checkpoint does not preserve RNG state.

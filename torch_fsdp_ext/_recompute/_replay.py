@@ -112,7 +112,7 @@ def wrap_recompute_enter(fix: ReplayState, original: Callable) -> Callable:
 
 
 def wrap_recompute_exit(fix: ReplayState, original: Callable) -> Callable:
-    """``_recomputation_hook.__exit__``: a recomputation ends; its frame leaves the stack, what it replayed is undone."""
+    """``_recomputation_hook.__exit__``: a recomputation ends and leaves the stack; what it replayed is undone."""
     frames, switch = fix.frames, fix.switch
 
     @wraps(original)
@@ -121,7 +121,10 @@ def wrap_recompute_exit(fix: ReplayState, original: Callable) -> Callable:
         entry = frames.recompute if switch.frames_anywhere else None
         if entry is not None and entry.hook is hook:
             stack = frames.stack
-            stack.pop() if stack[-1] is entry else remove_entry(stack, entry)
+            if stack[-1] is entry:
+                stack.pop()
+            else:  # a region's forward inside it ended late (ActiveFrames)
+                remove_entry(stack, entry)
             switch.pop()
             frames.recompute = entry.outer
             if entry.open:
