@@ -1,10 +1,14 @@
-"""The model, data and comparisons the integration tools share.
+"""The model, data, comparisons and job launcher the integration tools share.
 
 A tiny Llama-like language model as a mixed-dtype checkpoint loads: embedding and linears in bf16, RMSNorm weights
 in fp32. Every rank builds the same initial weights (a fixed seed) and trains on its own fixed batches.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import torch
 from torch import nn
@@ -96,3 +100,15 @@ def compare(label: str, result: dict, reference: dict, reference_name: str) -> t
     losses = ", ".join(f"{loss.item():.6f}" for loss in result["losses"])
     verdict = "bit for bit" if exact else "DIFFERENT"
     return f"{label}: plugin vs {reference_name}: {verdict} (losses {losses}; {len(equal)}/{len(names)} params)", exact
+
+
+def launch_job(script: str, variant: str, root: str, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """Run ``script --job VARIANT ROOT RESULT ARGS`` (a job that starts its ranks itself); its result, if written."""
+    result_path = os.path.join(root, f"{variant}.pt")
+    # Note: no TORCH_FSDP_EXT_* setting reaches a job; only what the job itself does turns the plugin on.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("TORCH_FSDP_EXT_")}
+    process = subprocess.run(
+        [sys.executable, os.path.abspath(script), "--job", variant, root, result_path, *args],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    return process, torch.load(result_path) if os.path.exists(result_path) else None

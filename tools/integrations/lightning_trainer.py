@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 
 import torch
 
-from _model import RMSNorm, compare, full_params, lm_loss, mixed_llama, tokens  # this script's folder
+from _model import RMSNorm, compare, full_params, launch_job, lm_loss, mixed_llama, tokens  # this script's folder
 
 STEPS, RESUME_STEP = 4, 2
 ASSERTION = "FSDP expects uniform original parameter dtype"
@@ -116,27 +115,16 @@ def job(variant: str, root: str, result_path: str) -> None:
         torch.save(result, result_path)
 
 
-def launch(variant: str, root: str) -> tuple[subprocess.CompletedProcess, dict | None]:
-    result_path = os.path.join(root, f"{variant}.pt")
-    # Note: no TORCH_FSDP_EXT_* setting reaches a job; only the plugin job's import turns the plugin on.
-    env = {name: value for name, value in os.environ.items() if not name.startswith("TORCH_FSDP_EXT_")}
-    process = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--job", variant, root, result_path],
-        capture_output=True, text=True, timeout=600, env=env,
-    )
-    return process, torch.load(result_path) if os.path.exists(result_path) else None
-
-
 def main() -> int:
     from importlib.metadata import version
 
     label = "lightning-trainer"
     ok = True
     with tempfile.TemporaryDirectory() as root:
-        plain, _ = launch("plain", root)
+        plain, _ = launch_job(__file__, "plain", root)
         results = {}
         for variant in ("workaround", "plugin"):
-            process, results[variant] = launch(variant, root)
+            process, results[variant] = launch_job(__file__, variant, root)
             if process.returncode != 0 or results[variant] is None:
                 print(process.stdout + process.stderr)
                 print(f"{label}: the {variant} job failed (exit {process.returncode})")
