@@ -102,13 +102,15 @@ def compare(label: str, result: dict, reference: dict, reference_name: str) -> t
     return f"{label}: plugin vs {reference_name}: {verdict} (losses {losses}; {len(equal)}/{len(names)} params)", exact
 
 
-def launch_job(script: str, variant: str, root: str, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
-    """Run ``script --job VARIANT ROOT RESULT ARGS`` (a job that starts its ranks itself); its result, if written."""
+def launch_job(script: str, variant: str, root: str, through_launcher: bool = False):
+    """Run ``script --job VARIANT ROOT RESULT`` (a job that starts its ranks itself), with
+    ``python -m torch_fsdp_ext.run`` in front if ``through_launcher``; the process and its result, if written."""
     result_path = os.path.join(root, f"{variant}.pt")
+    launcher = ["-m", "torch_fsdp_ext.run"] if through_launcher else []
     # Note: no TORCH_FSDP_EXT_* setting reaches a job; only what the job itself does turns the plugin on.
     env = {name: value for name, value in os.environ.items() if not name.startswith("TORCH_FSDP_EXT_")}
     process = subprocess.run(
-        [sys.executable, os.path.abspath(script), "--job", variant, root, result_path, *args],
+        [sys.executable, *launcher, os.path.abspath(script), "--job", variant, root, result_path],
         capture_output=True, text=True, timeout=600, env=env,
     )
     return process, torch.load(result_path) if os.path.exists(result_path) else None

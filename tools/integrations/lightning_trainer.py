@@ -12,7 +12,9 @@ launching the second rank itself; AdamW, one fixed batch per rank and step, ``pr
 - ``plain``: no plugin; FSDP2's uniform-dtype assertion is expected (Lightning then ends the job);
 - ``workaround``: no plugin, ``model.float()`` before ``fully_shard``; then ``precision="bf16-true"``, whose plugin
   casts every parameter to bf16 after ``configure_model``: the dtypes of the norms at the first step are recorded;
-- ``plugin``: ``import torch_fsdp_ext``; 4 steps uninterrupted, then 2 steps, ``trainer.save_checkpoint`` (sharded,
+- ``plugin``: the script unchanged, started as ``python -m torch_fsdp_ext.run lightning_trainer.py ...`` (rank 1,
+  which Lightning starts as ``python lightning_trainer.py ...``, gets the plugin from the launcher's
+  ``TORCH_FSDP_EXT_AUTOLOAD=1``: the package must be installed, ``pip install -e .``); 4 steps uninterrupted, then 2 steps, ``trainer.save_checkpoint`` (sharded,
   Lightning's default for this strategy), and a new Trainer that resumes with ``fit(ckpt_path=...)`` to step 4.
 
 Exit status 1 unless: plain fails with the assertion, the plugin's 4 steps equal the workaround's bit for bit
@@ -97,8 +99,6 @@ def lightning_run(variant: str, root: str, steps: int, precision: str = "32-true
 
 def job(variant: str, root: str, result_path: str) -> None:
     """The ranks of one job: Lightning re-runs this script for rank 1."""
-    if variant == "plugin":
-        import torch_fsdp_ext  # noqa: F401  (installs the fixes this torch needs)
     result = {}
     trainer, module = lightning_run(variant, root, STEPS)
     result["losses"], result["params"] = module.losses, full_params(module.model)
@@ -124,7 +124,7 @@ def main() -> int:
         plain, _ = launch_job(__file__, "plain", root)
         results = {}
         for variant in ("workaround", "plugin"):
-            process, results[variant] = launch_job(__file__, variant, root)
+            process, results[variant] = launch_job(__file__, variant, root, through_launcher=variant == "plugin")
             if process.returncode != 0 or results[variant] is None:
                 print(process.stdout + process.stderr)
                 print(f"{label}: the {variant} job failed (exit {process.returncode})")
