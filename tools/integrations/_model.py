@@ -102,15 +102,17 @@ def compare(label: str, result: dict, reference: dict, reference_name: str) -> t
     return f"{label}: plugin vs {reference_name}: {verdict} (losses {losses}; {len(equal)}/{len(names)} params)", exact
 
 
-def launch_job(script: str, variant: str, root: str, through_launcher: bool = False, torchrun: bool = False):
+def launch_job(script: str, variant: str, root: str, through_launcher: bool = False, torchrun: bool = False,
+               settings: dict[str, str] | None = None):
     """Run ``script --job VARIANT ROOT RESULT``: a job that starts its ranks itself, or, with ``torchrun``, one that
-    ``torchrun --nproc-per-node 2`` starts; with ``python -m torch_fsdp_ext.run`` in front if ``through_launcher``.
-    The process and the job's result, if it wrote one."""
+    ``torchrun --nproc-per-node 2`` starts; with ``python -m torch_fsdp_ext.run`` in front if ``through_launcher``,
+    and ``settings`` (TORCH_FSDP_EXT_* variables) in its environment. The process and the job's result, if any."""
     result_path = os.path.join(root, f"{variant}.pt")
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2"] if torchrun else []
     launcher += ["-m", "torch_fsdp_ext.run"] if through_launcher else []
-    # Note: no TORCH_FSDP_EXT_* setting reaches a job; only what the job itself does turns the plugin on.
+    # Note: no TORCH_FSDP_EXT_* setting of the caller reaches a job; only the job's own turn the plugin on.
     env = {name: value for name, value in os.environ.items() if not name.startswith("TORCH_FSDP_EXT_")}
+    env.update(settings or {})
     process = subprocess.run(
         [sys.executable, *launcher, os.path.abspath(script), "--job", variant, root, result_path],
         capture_output=True, text=True, timeout=600, env=env,

@@ -36,13 +36,18 @@ from _model import VOCAB, launch_job, lm_loss, tokens  # this script's folder
 
 STEPS = 3
 ASSERTION = "FSDP expects uniform original parameter dtype"
+LORA_ERROR = "expected m1 and m2 to have the same dtype"
 
 
-def llama(device: str | torch.device):
-    from torchtune.models.llama3 import llama3
+def llama(device: str | torch.device, lora: bool = False):
+    """A tiny ``llama3``, or ``lora_llama3`` with adapters on q_proj and v_proj."""
+    from torchtune.models.llama3 import llama3, lora_llama3
 
+    sizes = dict(vocab_size=VOCAB, num_layers=2, num_heads=2, num_kv_heads=1, embed_dim=32, max_seq_len=16)
     with torch.device(device):
-        return llama3(vocab_size=VOCAB, num_layers=2, num_heads=2, num_kv_heads=1, embed_dim=32, max_seq_len=16)
+        if lora:
+            return lora_llama3(["q_proj", "v_proj"], lora_rank=4, lora_alpha=8.0, **sizes)
+        return llama3(**sizes)
 
 
 def keep_norms_fp32(model: torch.nn.Module) -> None:
@@ -53,17 +58,30 @@ def keep_norms_fp32(model: torch.nn.Module) -> None:
             module.float()
 
 
-def checkpoint() -> dict[str, torch.Tensor]:
-    """The full state dict on disk: bf16, RMSNorm scales fp32 (the same on every rank)."""
+def make_fp32(model: torch.nn.Module, lora: bool) -> None:
+    """The parameters kept in fp32: the RMSNorm scales, or with ``lora`` the adapters (the base frozen)."""
+    if not lora:
+        keep_norms_fp32(model)
+        return
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    for name, module in model.named_modules():
+        if name.endswith(("lora_a", "lora_b")):
+            module.float()
+    set_trainable_params(model, get_adapter_params(model))
+
+
+def checkpoint(lora: bool) -> dict[str, torch.Tensor]:
+    """The full state dict on disk, bf16 but what ``make_fp32`` keeps in fp32 (the same on every rank)."""
     torch.manual_seed(0)
-    model = llama("cpu").to(torch.bfloat16)
-    keep_norms_fp32(model)
+    model = llama("cpu", lora).to(torch.bfloat16)
+    make_fp32(model, lora)
     return {name: tensor.clone() for name, tensor in model.state_dict().items()}
 
 
 def job(variant: str, root: str, result_path: str) -> None:
     """One rank of a torchrun job."""
-    if variant == "plugin":
+    if variant.endswith(("plugin", "compute")):
         import torch_fsdp_ext  # noqa: F401  (installs the fixes this torch needs)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -72,15 +90,16 @@ def job(variant: str, root: str, result_path: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    full_sd = checkpoint()
+    lora = variant.startswith("lora")
+    full_sd = checkpoint(lora)
 
     # The recipe's _setup_model, on CPU and gloo.
     with training.set_default_dtype(torch.bfloat16), torch.device("meta"):
-        model = llama("meta")
+        model = llama("meta", lora)
     if variant == "workaround":
         model.float()
     else:
-        keep_norms_fp32(model)
+        make_fp32(model, lora)
     training.shard_model(model, [training.get_shard_conditions], cpu_offload=False, dp_mesh=mesh)
     with training.set_default_dtype(torch.bfloat16), torch.device("cpu"):
         for module in model.modules():
@@ -88,7 +107,7 @@ def job(variant: str, root: str, result_path: str) -> None:
                 module.rope_init()
     training.load_from_full_model_state_dict(model, dict(full_sd), torch.device("cpu"), strict=True)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-2)
     losses = []
     for step in range(STEPS):
         data = tokens(rank, step)
@@ -99,14 +118,15 @@ def job(variant: str, root: str, result_path: str) -> None:
         losses.append(loss.detach().clone())
 
     # The reference for the first step: the checkpoint in an unsharded model with the same dtypes, one process
-    # (built under the recipe's default dtype, as its RoPE cache was).
+    # (built under the recipe's default dtype, as its RoPE cache was). LoRA's lora_b starts at zero, so there the
+    # reference is the bf16 base model without adapters.
     with training.set_default_dtype(torch.bfloat16):
         unsharded = llama("cpu")
     if variant == "workaround":
         unsharded.float()
-    else:
+    elif not lora:
         keep_norms_fp32(unsharded)
-    unsharded.load_state_dict(full_sd)
+    unsharded.load_state_dict({name: tensor for name, tensor in full_sd.items() if "lora_" not in name})
     with torch.no_grad():
         first_reference = lm_loss(unsharded(tokens(rank, 0)), tokens(rank, 0))
     first_equal = torch.tensor(int(torch.equal(losses[0], first_reference)))
@@ -142,7 +162,27 @@ def main() -> int:
           f"{', '.join(f'{loss.item():.6f}' for loss in plugin['losses'])} vs "
           f"{', '.join(f'{loss.item():.6f}' for loss in workaround['losses'])}")
     print(f"{label}: parameters not fp32 after the plugin's steps: {', '.join(plugin['not_fp32']) or 'none'}")
-    return 0 if failed and plugin["first_equal_on_every_rank"] and not plugin["not_fp32"] else 1
+    ok = failed and plugin["first_equal_on_every_rank"] and not plugin["not_fp32"]
+
+    # fp32 LoRA adapters on a frozen bf16 base: the bf16 activations meet the fp32 adapter weights.
+    with tempfile.TemporaryDirectory() as root:
+        outcomes = {}
+        for variant in ("lora-plain", "lora-plugin"):
+            process, _ = launch_job(__file__, variant, root, torchrun=True)
+            outcomes[variant] = process.returncode != 0 and LORA_ERROR in process.stdout + process.stderr
+        process, compute = launch_job(__file__, "lora-compute", root, torchrun=True,
+                                      settings={"TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE": "lora_a,lora_b"})
+    for variant, errs in outcomes.items():
+        print(f"{label}: fp32 LoRA on a frozen bf16 base, {variant.split('-')[1]}: "
+              f"{'RuntimeError: ' + LORA_ERROR if errs else 'NO ERROR'}")
+    trains = process.returncode == 0 and compute is not None and compute["first_equal_on_every_rank"]
+    losses = ", ".join(f"{loss.item():.6f}" for loss in compute["losses"]) if compute else "-"
+    print(f"{label}: fp32 LoRA on a frozen bf16 base, plugin with TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE=lora_a,lora_b: "
+          f"{'trains' if trains else 'FAILS'}, step 1 loss on every rank bit for bit with the bf16 base unsharded "
+          f"(rank 0 losses {losses})")
+    if not trains:
+        print(process.stdout + process.stderr)
+    return 0 if ok and all(outcomes.values()) and trains else 1
 
 
 if __name__ == "__main__":
