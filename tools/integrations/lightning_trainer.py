@@ -51,7 +51,7 @@ def lightning_run(variant: str, root: str, steps: int, precision: str = "32-true
             self.norm_dtypes = []
 
         def configure_model(self) -> None:
-            if self.model is not None:
+            if self.model is not None:  # Lightning calls the hook once per stage: shard once
                 return
             model = mixed_llama()
             if variant == "workaround":
