@@ -37,7 +37,9 @@ setup(
     install_requires=["torch>=2.5"],
     extras_require={
         # Only for running the test suite (python -m pytest test -q): the libraries its integration
-        # tests train with (test/test_integration.py and test/test_upcast_contract.py skip without them).
+        # tests train with (test/test_integration.py, test/test_upcast_contract.py and
+        # test/test_integrations_tools.py skip without them). lightning is the release
+        # docs/integrations.md measured; it requires torch>=2.1 and installs no other torch.
         "test": [
             "pytest",
             "expecttest",
@@ -48,6 +50,7 @@ setup(
             "accelerate>=1.15.0",
             "torchao>=0.18.0",
             "bitsandbytes>=0.50.2",
+            "lightning==2.6.6",
         ],
     },
     entry_points={"console_scripts": ["torch-fsdp-ext=torch_fsdp_ext.__main__:main"]},
