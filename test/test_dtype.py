@@ -321,7 +321,7 @@ torch_fsdp_ext: 2 trainable parameter(s) of Sequential are now float32 master we
             )
         else:
             self.assertEqual(warned, [])
-        self.assertIn("upcast so far in this process: 4 parameter(s), +40 bytes of fp32 master weights on this rank", report)
+        self.assertIn("dtype: so far this process upcast 4 parameter(s), adding 40 bytes of fp32 master weights on this rank.", report)
 
     @plugin_specific
     def test_releases_whose_check_counts_frozen_params(self):

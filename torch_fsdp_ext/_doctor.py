@@ -219,9 +219,9 @@ def fix_rows(report, outcomes: dict) -> tuple[list[list[str]], bool]:
 
 LEGEND = (
     NEEDED_LEGEND,
-    "seed scenario: the originally reported failure, run on real ranks without -> with the plugin "
-    "('fixed', 'runs': result checked)",
-    "where torch already repairs part of a failure, its seed scenario runs without the plugin too",
+    "seed scenario: the reported failure, run on real ranks without and then with the plugin; "
+    "'fixed' and 'runs': the result was checked",
+    "partly: torch repairs part of the failure itself, so its seed scenario runs without the plugin too",
 )
 
 
@@ -237,11 +237,11 @@ def doctor(world_size: int = 2) -> int:
         f"{'yes' if dist.is_nccl_available() else 'no'}, cuda {'yes' if gpus else 'no'} ({gpus} GPUs)"
     )
     if not report.supported:
-        print("unsupported torch: " + "; ".join(report.missing))
-        print("the plugin patches nothing here; torch behaves as without it")
+        print("Unsupported torch: " + "; ".join(report.missing) + ".")
+        print("The plugin patches nothing here; torch behaves as without it.")
         return 0
-    print("every rank must run the plugin: if one rank runs without it, the others stop at their first forward")
-    print("with RankCheckTimeoutError once the process group's timeout has passed")
+    print("Every rank must run the plugin: where one does not, the others stop at their first forward")
+    print("with a RankCheckTimeoutError once the process group's timeout has passed.")
     strategy = report.fixes["dtype"].details.get("strategy", "upcast")
     print(f"self-test: {backend.world_size} rank(s), {backend.name} on {backend.device_type}; dtype strategy {strategy!r}")
     outcomes = run_self_test(backend, strategy)
