@@ -118,7 +118,8 @@ class TestReadableState(TestCase):
         self.assertRegex(lines[2], rf"^dtype +{needed} +{active} +{dtype.details['strategy']} +{len(dtype.wraps)}$")
         recompute_needed = "yes" if HAS_RECOMPUTE_CAST_BUG else "partly"  # torch >= 2.13 replays the input cast
         self.assertRegex(lines[3], rf"^recompute +{recompute_needed} +yes +- +{len(recompute.wraps)}$")
-        self.assertIn(f"dtype: {dtype.reason}", lines)
+        why = f"needed, because {dtype.reason}." if dtype.needed else f"not needed: {dtype.reason}."
+        self.assertIn(f"dtype: {why}", lines)
         self.assertLess(len(str(report)), 800)
 
     def test_command_line_help_status_and_launcher_usage(self):

@@ -320,10 +320,13 @@ class TestComputeDtype(FSDPExtTestCase):
                 train_llama(model, self.rank)
         if self.rank == 0:  # the upcast warning, logged right before the failure, names the fix
             self.assertIn(
-                "model.norm, model.layers.0.input_layernorm, model.layers.0.post_attention_layernorm, ... compute in float32 and hand float32 to the next layer; if that fails ('expected m1 and m2 to "
-                "have the same dtype'), cast at their boundaries: launch with --compute-in-loaded-dtype CLASS",
+                "\n  These modules compute in float32 and hand float32 to the next layer:\n    model.norm\n"
+                "    model.layers.0.input_layernorm\n    model.layers.0.post_attention_layernorm\n    ...\n"
+                "  If that fails ('expected m1 and m2 to have the same dtype'), cast at their boundaries:\n"
+                "  launch with --compute-in-loaded-dtype CLASS",
                 logs.output[0],
             )
+            self.assertLessEqual(max(map(len, logs.output[0].splitlines())), 120)
         results = {}
         for layout in ("auto", "units"):
             with plugin(layout == "auto", dtype_strategy="preserve"):

@@ -13,12 +13,34 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, ROOT
 
 
-def run_doctor(extra_path: str | None = None, **extra_env: str) -> subprocess.CompletedProcess:
+# Installed as sitecustomize.py, it hides numpy from every interpreter the command starts (its ranks too), as
+# an environment without numpy would: torch's own probe (importlib.util.find_spec) then finds nothing.
+HIDE_NUMPY = """
+import sys
+from importlib.machinery import PathFinder
+
+
+class HideNumpy:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        return None if name.partition(".")[0] == "numpy" else PathFinder.find_spec(name, path, target)
+
+    @staticmethod
+    def invalidate_caches():
+        PathFinder.invalidate_caches()
+
+
+sys.meta_path[:] = [HideNumpy if finder is PathFinder else finder for finder in sys.meta_path]
+"""
+
+
+def run_doctor(extra_path: str | None = None, command: str = "doctor", **extra_env: str) -> subprocess.CompletedProcess:
     path = [p for p in (extra_path, ROOT, os.environ.get("PYTHONPATH")) if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), **extra_env)
     env.pop("TORCH_FSDP_EXT_DISABLE", None)
     return subprocess.run(
-        [sys.executable, "-m", "torch_fsdp_ext", "doctor"], capture_output=True, text=True, env=env, timeout=180, cwd=ROOT
+        [sys.executable, "-m", "torch_fsdp_ext", command], capture_output=True, text=True, env=env, timeout=180,
+        cwd=ROOT,
     )
 
 
@@ -72,6 +94,36 @@ recompute  partly  yes     no failure → runs                     replays root 
         self.assertExpectedInline(
             dtype_row, """dtype      yes     yes     AssertionError → fixed                strategy preserve"""
         )
+
+    def test_status_is_sentences(self):
+        result = run_doctor(command="status")
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        prose = [line for line in result.stdout.splitlines() if line.startswith(("dtype: ", "recompute: "))]
+        self.assertGreaterEqual(len(prose), 2)
+        for line in prose:  # "fix: sentence." with words, not a fragment glued to a reason
+            self.assertTrue(line.endswith("."), line)
+            self.assertNotIn("the plugin torch", line)
+        if HAS_DTYPE_BUG and not HAS_RECOMPUTE_CAST_BUG:  # e.g. torch 2.13
+            self.assertIn(
+                "recompute: needed in part: during recompute this torch replays the input cast and the output cast "
+                "itself.\nrecompute: the plugin replays the root input move and the autocast state.\n",
+                result.stdout,
+            )
+
+    def test_no_word_from_torch_about_a_missing_numpy(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
+                f.write(HIDE_NUMPY)
+            probe = subprocess.run(
+                [sys.executable, "-c", "import importlib.util, torch; print(importlib.util.find_spec('numpy'))"],
+                capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=tmp), timeout=120,
+            )
+            self.assertEqual(probe.stdout.strip(), "None", probe.stderr)  # numpy is hidden ...
+            self.assertIn("Failed to initialize NumPy", probe.stderr)  # ... and plain torch says so
+            for command in ("status", "doctor"):
+                result = run_doctor(extra_path=tmp, command=command)
+                self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+                self.assertNotIn("numpy", (result.stdout + result.stderr).lower(), command)
 
     def test_a_broken_fix_makes_doctor_fail(self):
         if not HAS_DTYPE_BUG:

@@ -311,11 +311,17 @@ Fix: install the plugin with dtype_strategy='upcast' to keep fp32 master weights
         if self.rank == 0:
             self.assertExpectedInline(
                 "\n".join(warned),
-                """torch_fsdp_ext: 2 trainable parameter(s) of Sequential are now float32 master weights (+20 bytes on this rank, ~4x with gradients and Adam state); modules compute in the same dtypes as before. To keep the loaded dtypes instead, launch with TORCH_FSDP_EXT_DTYPE_STRATEGY=preserve. The upcast happens when an optimizer takes the model's parameters, or at its first forward or state-dict call if that comes first; code that needs the final dtypes earlier (an EMA copy, optimizer param groups by dtype) calls torch_fsdp_ext.upcast_now(model) first.""",
+                """\
+torch_fsdp_ext: 2 trainable parameter(s) of Sequential are now float32 master weights.
+  They add 20 bytes on this rank; with gradients and Adam state, about 4 times that.
+  Every module computes in the same dtype as before.
+  To keep the loaded dtypes instead, launch with TORCH_FSDP_EXT_DTYPE_STRATEGY=preserve.
+  The upcast happens when an optimizer takes the parameters, or at an earlier first forward or state dict.
+  For the final dtypes sooner (an EMA copy, param groups by dtype), call torch_fsdp_ext.upcast_now(model).""",
             )
         else:
             self.assertEqual(warned, [])
-        self.assertIn("upcast so far in this process: 4 parameter(s), +40 bytes of fp32 master weights on this rank", report)
+        self.assertIn("dtype: so far this process upcast 4 parameter(s), adding 40 bytes of fp32 master weights on this rank.", report)
 
     @plugin_specific
     def test_releases_whose_check_counts_frozen_params(self):

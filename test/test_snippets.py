@@ -5,6 +5,7 @@ What a block is, by its fence and first line:
 - a ``python`` block runs in a fresh interpreter, in a new empty directory;
 - a ``python`` block whose first line is ``# torchrun --nproc-per-node 2 NAME.py`` is a whole script: it is
   written to NAME.py and launched that way (2 CPU ranks, gloo), and must exit 0 on both;
+- a ``print(...)  # [...]`` line of a block must print what its comment shows;
 - a ``yaml`` block is an accelerate config: it must load as accelerate's ``ClusterConfig`` and name its
   processes and wrap policy;
 - a block whose first line is ``# not run: REASON`` is not run (an excerpt, a shape to copy); every other
@@ -32,6 +33,7 @@ DOCS = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "d
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 NOT_RUN = re.compile(r"^# not run: \S")
 TORCHRUN = re.compile(r"^# torchrun --nproc-per-node 2 (\w+\.py)\b")
+PRINTS = re.compile(r"^ *print\(.*\) +# (\[.*\])$", re.MULTILINE)  # a print whose comment is its output (a list)
 has_extras = all(importlib.util.find_spec(name) for name in ("transformers", "accelerate", "peft", "yaml"))
 
 
@@ -84,6 +86,8 @@ class TestSnippets(TestCase):
                                    "--nproc-per-node", "2", name]
                     result = run(command, cwd)
                     self.assertEqual(result.returncode, 0, f"{path}:{line}\n{result.stdout[-3000:]}{result.stderr[-6000:]}")
+                    for printed in PRINTS.findall(code):
+                        self.assertIn(printed + "\n", result.stdout, f"{path}:{line}")
                 ran += 1
         self.assertGreater(ran, 5)
 

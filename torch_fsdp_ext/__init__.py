@@ -8,6 +8,12 @@ not a strategy stops the import with a ``SettingError``, a ``ValueError``). See 
 
 import warnings as _warnings
 
+# Note: torch warns "Failed to initialize NumPy" when it is imported without numpy, an optional
+# package of its own that the plugin never uses; importing torch here keeps that out of status and doctor.
+with _warnings.catch_warnings():
+    _warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+    import torch as _torch  # noqa: F401
+
 from . import _compute_dtype, _env, _install
 from ._compute_dtype import LoadedDtypeModules, MixedPrecisionPolicy, compute_in_loaded_dtype
 from ._dtype_plan import MixedParamDtypeError

@@ -153,15 +153,29 @@ def _rank_main(rank: int, backend: Backend, strategy: str, init_file: str, resul
     end_rank(wait_for_peers="error" not in results)
 
 
+# torch's warning when it is imported without numpy, as a PYTHONWARNINGS entry.
+NUMPY_WARNING_FILTER = "ignore:Failed to initialize NumPy:UserWarning"
+
+
 def run_self_test(backend: Backend, strategy: str, timeout: float = 120.0) -> dict:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         init_file, result_file = os.path.join(tmp, "init"), os.path.join(tmp, "result.json")
-        context = mp.start_processes(
-            _rank_main, args=(backend, strategy, init_file, result_file), nprocs=backend.world_size,
-            start_method="spawn", join=False,
-        )
+        # Note: a spawned rank imports torch before the plugin; the variable it inherits keeps
+        # torch's warning about numpy, which the self-test never uses, out of the report.
+        inherited = os.environ.get("PYTHONWARNINGS")
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [inherited, NUMPY_WARNING_FILTER]))
+        try:
+            context = mp.start_processes(
+                _rank_main, args=(backend, strategy, init_file, result_file), nprocs=backend.world_size,
+                start_method="spawn", join=False,
+            )
+        finally:
+            if inherited is None:
+                del os.environ["PYTHONWARNINGS"]
+            else:
+                os.environ["PYTHONWARNINGS"] = inherited
         deadline = time.monotonic() + timeout
         try:
             while not context.join(timeout=1.0):
@@ -205,9 +219,9 @@ def fix_rows(report, outcomes: dict) -> tuple[list[list[str]], bool]:
 
 LEGEND = (
     NEEDED_LEGEND,
-    "seed scenario: the originally reported failure, run on real ranks without -> with the plugin "
-    "('fixed', 'runs': result checked)",
-    "where torch already repairs part of a failure, its seed scenario runs without the plugin too",
+    "seed scenario: the reported failure, run on real ranks without and then with the plugin; "
+    "'fixed' and 'runs': the result was checked",
+    "partly: torch repairs part of the failure itself, so its seed scenario runs without the plugin too",
 )
 
 
@@ -223,11 +237,11 @@ def doctor(world_size: int = 2) -> int:
         f"{'yes' if dist.is_nccl_available() else 'no'}, cuda {'yes' if gpus else 'no'} ({gpus} GPUs)"
     )
     if not report.supported:
-        print("unsupported torch: " + "; ".join(report.missing))
-        print("the plugin patches nothing here; torch behaves as without it")
+        print("Unsupported torch: " + "; ".join(report.missing) + ".")
+        print("The plugin patches nothing here; torch behaves as without it.")
         return 0
-    print("every rank must run the plugin: if one rank runs without it, the others stop at their first forward")
-    print("with RankCheckTimeoutError once the process group's timeout has passed")
+    print("Every rank must run the plugin: where one does not, the others stop at their first forward")
+    print("with a RankCheckTimeoutError once the process group's timeout has passed.")
     strategy = report.fixes["dtype"].details.get("strategy", "upcast")
     print(f"self-test: {backend.world_size} rank(s), {backend.name} on {backend.device_type}; dtype strategy {strategy!r}")
     outcomes = run_self_test(backend, strategy)

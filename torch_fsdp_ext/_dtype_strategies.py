@@ -73,23 +73,27 @@ class UpcastCost:
         if first and params and (not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0):
             # Note: the fp32-module hint is given only where such modules exist: their outputs stay
             # fp32, which a bf16 layer after them rejects (the model fails the same without FSDP).
-            wide = (
-                f" {', '.join(wide_modules[:3])}{', ...' if len(wide_modules) > 3 else ''} compute in {widest} and "
-                f"hand {widest} to the next layer; if that fails ('expected m1 and m2 to have the same dtype'), "
-                "cast at their boundaries: launch with --compute-in-loaded-dtype CLASS (e.g. LlamaRMSNorm; 'auto' "
-                "for transformers' _keep_in_fp32_modules)."
-                if wide_modules
-                else ""
-            )
-            logger.warning(
-                "torch_fsdp_ext: %d trainable parameter(s) of %s are now %s master weights (+%s bytes on this "
-                "rank, ~4x with gradients and Adam state); modules compute in the same dtypes as before. To keep "
-                "the loaded dtypes instead, launch with TORCH_FSDP_EXT_DTYPE_STRATEGY=preserve. The upcast happens "
-                "when an optimizer takes the model's parameters, or at its first forward or state-dict call if "
-                "that comes first; code that needs the final dtypes earlier (an EMA copy, optimizer param groups by "
-                "dtype) calls torch_fsdp_ext.upcast_now(model) first.%s",
-                params, model_name, widest, f"{added_bytes:,}", wide,
-            )
+            # One fact a line, each under 120 columns, so that a log viewer shows it whole.
+            lines = [
+                f"torch_fsdp_ext: {params} trainable parameter(s) of {model_name} are now {widest} master weights.",
+                f"  They add {added_bytes:,} bytes on this rank; with gradients and Adam state, about 4 times that.",
+                "  Every module computes in the same dtype as before.",
+                "  To keep the loaded dtypes instead, launch with TORCH_FSDP_EXT_DTYPE_STRATEGY=preserve.",
+                "  The upcast happens when an optimizer takes the parameters,"
+                " or at an earlier first forward or state dict.",
+                "  For the final dtypes sooner (an EMA copy, param groups by dtype),"
+                " call torch_fsdp_ext.upcast_now(model).",
+            ]
+            if wide_modules:
+                lines += [
+                    f"  These modules compute in {widest} and hand {widest} to the next layer:",
+                    *(f"    {name}" for name in wide_modules[:3]),
+                    *(["    ..."] if len(wide_modules) > 3 else []),
+                    "  If that fails ('expected m1 and m2 to have the same dtype'), cast at their boundaries:",
+                    "  launch with --compute-in-loaded-dtype CLASS (e.g. LlamaRMSNorm),"
+                    " or 'auto' for the model's _keep_in_fp32_modules.",
+                ]
+            logger.warning("\n".join(lines))
 
 
 def modules_computing_in(groups: list[tuple[Any, list[ParamEntry]]], dtype: torch.dtype) -> tuple[str, ...]:

@@ -38,16 +38,40 @@ def plugin_does(fix: Any) -> str:
 NEEDED_LEGEND = "needed: yes = this torch has the failure; partly = torch repairs part, the plugin the rest; no = nothing to fix"
 
 
+def listed(items: list[str]) -> str:
+    """``["input cast", "output cast"]`` -> ``"the input cast and the output cast"``."""
+    named = [f"the {item}" for item in items]
+    return " and ".join(named) if len(named) < 3 else ", ".join(named[:-1]) + " and " + named[-1]
+
+
+def why_sentences(fix: Any) -> list[str]:
+    """Whether this torch needs the fix and why, and what the plugin does, a sentence a line."""
+    if fix.needed is None:
+        return [f"{fix.name}: not installed: {fix.reason}."]
+    if not fix.needed:
+        return [f"{fix.name}: not needed: {fix.reason}."]
+    replays = fix.details.get("replays")
+    if not replays:
+        return [f"{fix.name}: needed, because {fix.reason}."]
+    # Note: where torch does part itself, what is replayed by whom says more than the probe's reason.
+    ours = [what for what, who in replays.items() if who == "torch_fsdp_ext"]
+    torch_own = [what for what, who in replays.items() if who != "torch_fsdp_ext"]
+    does = f"{fix.name}: the plugin replays {listed(ours)}."
+    if not torch_own:
+        return [f"{fix.name}: needed, because {fix.reason}.", does]
+    return [f"{fix.name}: needed in part: during recompute this torch replays {listed(torch_own)} itself.", does]
+
+
 def status_text(report: Any) -> str:
     lines = [f"torch_fsdp_ext on torch {report.torch_version}"]
     if not report.supported:
         unsupported = [fix.name for fix in report.fixes.values() if fix.needed is None and fix.reason.startswith(
             "unsupported torch")]
         if len(unsupported) == len(report.fixes):
-            lines.append("unsupported torch, nothing patched: " + "; ".join(report.missing))
+            lines.append("Unsupported torch, nothing is patched: " + "; ".join(report.missing) + ".")
         else:
-            lines.append(f"torch internals missing: {'; '.join(report.missing)}; fix(es) {', '.join(unsupported)} "
-                         "stand aside, the others work")
+            lines.append(f"Torch internals are missing ({'; '.join(report.missing)}): the fix(es) "
+                         f"{', '.join(unsupported)} stand aside, the others work.")
     rows = [["fix", "needed", "active", "strategy", "wrapped torch methods"]]
     for fix in report.fixes.values():
         rows.append(
@@ -56,17 +80,14 @@ def status_text(report: Any) -> str:
         )
     lines.append(format_table(rows))
     for fix in report.fixes.values():
-        does = "" if "strategy" in fix.details else plugin_does(fix)
-        lines.append(f"{fix.name}: {fix.reason}")
-        if does:
-            lines.append(f"{fix.name}: the plugin {does}")
+        lines.extend(why_sentences(fix))
         upcast = fix.details.get("upcast")
         if upcast and upcast["params"]:
             lines.append(
-                f"{fix.name}: upcast so far in this process: {upcast['params']} parameter(s), "
-                f"+{upcast['bytes']:,} bytes of fp32 master weights on this rank"
+                f"{fix.name}: so far this process upcast {upcast['params']} parameter(s), adding "
+                f"{upcast['bytes']:,} bytes of fp32 master weights on this rank."
             )
         if fix.details.get("not_covered"):
             not_covered = ", ".join(fix.details["not_covered"])
-            lines.append(f"{fix.name}: not covered (grouped, sharded before install): {not_covered}")
+            lines.append(f"{fix.name}: not covered, since they were grouped and sharded before install: {not_covered}.")
     return "\n".join(lines)
