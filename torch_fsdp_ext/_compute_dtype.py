@@ -110,6 +110,17 @@ else:
             return dataclasses.replace(self, param_dtype=param_dtype, param_dtype_override_fn=None)
 
 
+# Whether the dtype fix is active, and if not why: set by ``_install`` at every install() and
+# uninstall() (this module is imported by the fix, so it is told, never asks).
+_dtype_fix_inactive_reason: str | None = "not installed"
+
+
+def note_dtype_fix(inactive_reason: str | None) -> None:
+    """``_install``: the dtype fix is now active (None), or not, for this reason."""
+    global _dtype_fix_inactive_reason
+    _dtype_fix_inactive_reason = inactive_reason
+
+
 def _require_dtype_fix() -> None:
     """The backported override works through the dtype fix's hooks; without them FSDP2 ignores it.
 
@@ -118,15 +129,12 @@ def _require_dtype_fix() -> None:
     Groups built while the fix was active keep their overrides after ``uninstall()``
     (``_dtype_fix.GroupKeeper``).
     """
-    from . import _install  # imported late: _install imports this module
-
-    dtype_fix = _install.status().fixes["dtype"]
-    if dtype_fix.active:
+    if _dtype_fix_inactive_reason is None:
         return
     raise ValueError(
         f"torch_fsdp_ext: MixedPrecisionPolicy(param_dtype_override_fn=...) needs the plugin's dtype fix on torch "
         f"{torch.__version__} (no native param_dtype_override_fn), and the fix is not active: "
-        f"{'not installed' if dtype_fix.needed else dtype_fix.reason}. FSDP2 would ignore the override and every "
+        f"{_dtype_fix_inactive_reason}. FSDP2 would ignore the override and every "
         "parameter would compute in param_dtype. Fix: unset TORCH_FSDP_EXT_DISABLE or call "
         "torch_fsdp_ext.install() before making the policy."
     )

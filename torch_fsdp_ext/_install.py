@@ -10,7 +10,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from . import _compat, _env
+from . import _compat, _compute_dtype, _env
 from ._dtype_fix import DtypeFix
 from ._dtype_strategies import STRATEGIES, UPCAST_COST
 from ._patching import PatchSet
@@ -124,6 +124,7 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = 
         internals = _compat.load_internals()
         if internals.fsdp_package is None:
             _warn_unsupported(internals)
+            _note_dtype_fix(internals)
             return []
         for name in names:
             if name in _active:
@@ -158,7 +159,20 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = 
             _active[name] = (fix, patches)
         if "dtype" in _active:
             _active["dtype"][0].decide_existing_groups()
+        _note_dtype_fix(internals)
         return [n for n in FIX_NAMES if n in _active]
+
+
+def _note_dtype_fix(internals: _compat.TorchInternals) -> None:
+    """Tell ``_compute_dtype`` whether the dtype fix is active and, if not, why (its policy checks it)."""
+    if "dtype" in _active:
+        reason = None
+    elif internals.missing_for("dtype"):
+        reason = "unsupported torch: " + "; ".join(internals.missing_for("dtype"))
+    else:
+        needed, why = _make_fix("dtype", internals, _dtype_strategy).needed()
+        reason = "not installed" if needed else why
+    _compute_dtype.note_dtype_fix(reason)
 
 
 def uninstall(fixes: Iterable[str] | None = None) -> None:
@@ -173,6 +187,7 @@ def uninstall(fixes: Iterable[str] | None = None) -> None:
                 patches.restore()
                 if name == "dtype":
                     fix.release()  # what live preserve groups need stays until they are gone
+        _note_dtype_fix(_compat.load_internals())
 
 
 @contextlib.contextmanager
