@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+import torch_fsdp_ext
 from torch_fsdp_ext import MixedParamDtypeError, RankCheckTimeoutError, _compat
 from torch_fsdp_ext._rank_consistency import _Comparison, comparisons_made
 
@@ -177,6 +178,35 @@ class TestDisagreement(FSDPExtTestCase):
         store = _compat.process_group_store(dist.group.WORLD)
         left = [key for key in traffic.keys if not key.endswith("/round") and store.check([key])]
         self.assertEqual((traffic.comparisons, left), (1, []))  # the layouts and counters deleted
+
+
+@needs_dtype_fix
+@plugin_specific
+class TestFixesInstalled(FSDPExtTestCase):
+    def test_a_rank_without_a_fix_fails_on_every_rank_naming_the_fix_and_the_rank(self):
+        """Rank 1 runs without the recompute fix (as when it stood aside there only): one error, every rank."""
+        with plugin(True):
+            if "recompute" not in torch_fsdp_ext.status().fixes or not torch_fsdp_ext.status().fixes["recompute"].active:
+                self.skipTest("this torch needs no recompute fix: nothing can differ")
+            if self.rank == 1:
+                torch_fsdp_ext.uninstall(["recompute"])
+            model = mixed_model(True)
+            tokens = batch(self.rank, 0)
+            with self.assertRaises(MixedParamDtypeError) as caught:
+                model(tokens)
+        self.assertTrue(str(caught.exception).startswith(
+            "torch_fsdp_ext: fix 'recompute' is installed on rank(s) 0 and not on rank(s) 1; every rank must install "
+            "the same fixes"
+        ), str(caught.exception))
+
+    def test_ranks_with_the_same_fixes_train_as_before(self):
+        """Both ranks without the recompute fix agree: the comparison looks at what differs, not at what is off."""
+        with plugin(True):
+            torch_fsdp_ext.uninstall(["recompute"])
+            losses = train(mixed_model(True), self.rank, 2)
+        with plugin(False):
+            reference = train(mixed_model(False), self.rank, 2)
+        self.assertEqual(losses, reference)
 
 
 @needs_dtype_fix

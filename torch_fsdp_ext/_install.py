@@ -55,8 +55,14 @@ class Status:
 
 def _make_fix(name: str, internals: _compat.TorchInternals, dtype_strategy: str) -> Any:
     if name == "dtype":
-        return DtypeFix(internals, dtype_strategy)
+        fix = DtypeFix(internals, dtype_strategy)
+        fix.ranks.installed_fixes = _installed_names  # the ranks compare them with their dtype layouts
+        return fix
     return RecomputeReplay(internals)
+
+
+def _installed_names() -> tuple[str, ...]:
+    return tuple(n for n in FIX_NAMES if n in _active)
 
 
 def _check_names(fixes: Iterable[str] | None) -> tuple[str, ...]:

@@ -56,7 +56,8 @@ def status_text(report: Any) -> str:
         )
     lines.append(format_table(rows))
     for fix in report.fixes.values():
-        does = "" if "strategy" in fix.details else plugin_does(fix)
+        # Without a fix in place its reason (the line above) says it all.
+        does = "" if "strategy" in fix.details or not fix.needed else plugin_does(fix)
         lines.append(f"{fix.name}: {fix.reason}")
         if does:
             lines.append(f"{fix.name}: the plugin {does}")
