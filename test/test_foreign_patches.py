@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -19,7 +22,7 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_fsdp_ext
 from common import (
-    FSDPExtTestCase, MixedPrecisionPolicy, batch, full_params, lm_loss, needs_dtype_fix, plugin, plugin_specific,
+    ROOT, FSDPExtTestCase, MixedPrecisionPolicy, batch, full_params, lm_loss, needs_dtype_fix, plugin, plugin_specific,
     seed_000_model, shard_model,
 )
 from torch_fsdp_ext import _compat
@@ -128,6 +131,29 @@ class TestForeignReduceWrapper(FSDPExtTestCase):
             undo()
             _compat.probe_reduce_casts_grads_per_param.cache_clear()
         self.assertEqual(answer_behind_wrapper, _compat.probe_reduce_casts_grads_per_param())
+
+
+@plugin_specific
+class TestForeignPatchNamed(TestCase):
+    def test_install_names_another_librarys_replacement_once(self):
+        code = (
+            "import warnings; warnings.simplefilter('always')\n"
+            "import torch_fsdp_ext\n"
+            "from torch_fsdp_ext import _compat\n"
+            "group = _compat.load_internals().FSDPParamGroup\n"
+            "torch_fsdp_ext.uninstall()\n"
+            "original = group._init_mp_dtypes\n"
+            "def init_mp_dtypes_of_another_library(self): return original(self)\n"
+            "group._init_mp_dtypes = init_mp_dtypes_of_another_library\n"
+            "torch_fsdp_ext.install(); torch_fsdp_ext.uninstall(); torch_fsdp_ext.install()\n"
+        )
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                                env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
+        self.assertEqual(result.returncode, 0, result.stderr)
+        warned = [line for line in result.stderr.splitlines() if "another library replaced" in line]
+        self.assertEqual(len(warned), 1, result.stderr)
+        self.assertIn("FSDPParamGroup._init_mp_dtypes is ", warned[0])
+        self.assertIn(":init_mp_dtypes_of_another_library", warned[0])
 
 
 if __name__ == "__main__":

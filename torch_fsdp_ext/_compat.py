@@ -572,6 +572,23 @@ def torch_own(fn: Any, name: str) -> Any:
     return None
 
 
+# The functions whose foreign wrappers the plugin composes with exactly (``_mixed_groups``).
+COMPOSED_FOREIGN = frozenset({("fsdp_param_group_module", "foreach_reduce")})
+
+
+def foreign_patches() -> list[str]:
+    """``owner.method is module.qualname`` for each function the plugin wraps that another library replaced,
+    except those it composes with exactly (``COMPOSED_FOREIGN``)."""
+    internals = load_internals()
+    found = []
+    for owner, method in WRAPPED_METHODS:
+        obj = internals.symbols.get(owner)
+        fn = getattr(obj, method, None) if obj is not None else None
+        if fn is not None and (owner, method) not in COMPOSED_FOREIGN and function_origin(fn) == "foreign":
+            found.append(f"{symbol_names(internals, (f'{owner}.{method}',))[0]} is {describe_function(fn)}")
+    return found
+
+
 def describe_function(fn: Any) -> str:
     """``module.qualname`` of the code that runs: a wrapper's own, not what ``functools.wraps`` copied onto it."""
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)

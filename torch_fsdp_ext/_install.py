@@ -27,6 +27,7 @@ _active: dict[str, tuple[Any, PatchSet]] = globals().get("_active", {})  # fix n
 _dtype_strategy: str = globals().get("_dtype_strategy", "upcast")
 _warned_unsupported = False
 _warned_stands_aside: set[str] = set()  # fixes whose probes failed, warned about once
+_warned_foreign: set[str] = set()  # functions replaced by another library, warned about once
 
 
 @dataclass
@@ -132,6 +133,7 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = 
             _warn_unsupported(internals)
             _note_dtype_fix(internals)
             return []
+        _warn_foreign_patches()  # before this install's own wrappers cover what it found
         for name in names:
             if name in _active:
                 continue
@@ -167,6 +169,19 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = 
             _active["dtype"][0].decide_existing_groups()
         _note_dtype_fix(internals)
         return [n for n in FIX_NAMES if n in _active]
+
+
+def _warn_foreign_patches() -> None:
+    """Note [Foreign patches] in ``_compat``: a function another library replaced is named once, at install."""
+    foreign = [f for f in _compat.foreign_patches() if f not in _warned_foreign]
+    if foreign:
+        _warned_foreign.update(foreign)
+        warnings.warn(
+            f"torch_fsdp_ext: another library replaced FSDP2 functions this plugin wraps: {'; '.join(foreign)}. "
+            "The plugin wraps them as it found them; that composition is untested (docs/compatibility.md lists "
+            "the patches known to compose exactly).",
+            RuntimeWarning, stacklevel=3,
+        )
 
 
 def _note_dtype_fix(internals: _compat.TorchInternals) -> None:
