@@ -327,7 +327,9 @@ class TestStaleKeys(TestCase):
                 thread.join()
             return errors
 
-        first, second = json.dumps([["<root>", [["w", "torch.float32", True]]]]), json.dumps([["<root>", []]])
+        # A rank's description: the fixes installed, then (group name, layout) per group.
+        first = json.dumps([["dtype"], [["<root>", [["w", "torch.float32", True]]]]])
+        second = json.dumps([["dtype"], [["<root>", []]]])
         with unittest.mock.patch.dict(os.environ, {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0"}):
             self.assertEqual(both((first, first)), [])  # the first incarnation
             self.assertEqual(both((second, second)), [])  # the next one: same store, same group name
