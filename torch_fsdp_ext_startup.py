@@ -14,10 +14,21 @@ pays nothing, and one that does gets the plugin before it can call ``fully_shard
 A setting the plugin cannot honour (``TORCH_FSDP_EXT_DTYPE_STRATEGY=preserv``) fails
 that import with the plugin's error, as ``import torch_fsdp_ext`` would; any other
 failure only warns. This module itself imports nothing but the standard library.
+
+Note: never inside someone else's import. FSDP's package is often imported by another
+module's import (``import lightning`` -> ``import torch._dynamo`` -> FSDP), while that
+module is half executed; the plugin's probes then meet it half loaded (``partially
+initialized module 'torch._dynamo' has no attribute 'disable'``) and a fix stands aside
+on this rank only. So when any other module is still executing, the import waits until
+the first ``FSDPParamGroup`` is built (the first ``fully_shard`` of a module with
+parameters; the plugin's fixes act from there on): a one-time stand-in for its
+``__init__`` puts torch's back, imports the plugin, and builds the group through it.
+Every rank then installs with torch fully imported, whatever its launcher imports first.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -39,6 +50,50 @@ def _import_plugin() -> None:
                       RuntimeWarning, stacklevel=3)
 
 
+def _importing_besides(package: str) -> bool:
+    """Is a module other than ``package`` (which has just run) still executing its import?"""
+    return any(
+        getattr(getattr(module, "__spec__", None), "_initializing", False)
+        for name, module in list(sys.modules.items())
+        if name != package
+    )
+
+
+# While the import waits: (FSDPParamGroup, torch's __init__, the one-time stand-in in its place).
+_waiting: list[tuple[type, object, object]] = []
+
+
+def _param_group_class(package: str) -> type | None:
+    module = sys.modules.get(package + ("._fully_shard" if package == FSDP_PACKAGES[0] else "") + "._fsdp_param_group")
+    cls = getattr(module, "FSDPParamGroup", None)
+    return cls if isinstance(cls, type) and "__init__" in cls.__dict__ else None
+
+
+def _import_at_first_group(cls: type) -> None:
+    torch_init = cls.__dict__["__init__"]
+
+    @functools.wraps(torch_init)
+    def __init__(group, *args, **kwargs) -> None:
+        if cls.__dict__.get("__init__") is __init__:
+            end_wait()
+            _import_plugin()
+            cls.__init__(group, *args, **kwargs)  # through the plugin's wrapper
+        else:  # another library wrapped this stand-in: build through torch's own
+            _import_plugin()
+            torch_init(group, *args, **kwargs)
+
+    _waiting.append((cls, torch_init, __init__))
+    cls.__init__ = __init__
+
+
+def end_wait() -> None:
+    """Put torch's ``FSDPParamGroup.__init__`` back where the stand-in still holds it; the plugin's import calls this."""
+    while _waiting:
+        cls, torch_init, stand_in = _waiting.pop()
+        if cls.__dict__.get("__init__") is stand_in:
+            cls.__init__ = torch_init
+
+
 class _ImportPluginAfterFSDP:
     """A meta path finder that lets the other finders find FSDP's package, then imports the plugin once it ran."""
 
@@ -56,7 +111,11 @@ class _ImportPluginAfterFSDP:
         def exec_module(module) -> None:
             del loader.exec_module  # back to the loader's own method
             exec_package(module)
-            _import_plugin()
+            cls = _param_group_class(name) if _importing_besides(name) else None
+            if cls is not None:
+                _import_at_first_group(cls)
+            else:
+                _import_plugin()
 
         loader.exec_module = exec_module
         return spec

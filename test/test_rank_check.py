@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+import torch_fsdp_ext
 from torch_fsdp_ext import MixedParamDtypeError, RankCheckTimeoutError, _compat
 from torch_fsdp_ext._rank_consistency import _Comparison, comparisons_made
 
@@ -181,6 +182,35 @@ class TestDisagreement(FSDPExtTestCase):
 
 @needs_dtype_fix
 @plugin_specific
+class TestFixesInstalled(FSDPExtTestCase):
+    def test_a_rank_without_a_fix_fails_on_every_rank_naming_the_fix_and_the_rank(self):
+        """Rank 1 runs without the recompute fix (as when it stood aside there only): one error, every rank."""
+        with plugin(True):
+            if "recompute" not in torch_fsdp_ext.status().fixes or not torch_fsdp_ext.status().fixes["recompute"].active:
+                self.skipTest("this torch needs no recompute fix: nothing can differ")
+            if self.rank == 1:
+                torch_fsdp_ext.uninstall(["recompute"])
+            model = mixed_model(True)
+            tokens = batch(self.rank, 0)
+            with self.assertRaises(MixedParamDtypeError) as caught:
+                model(tokens)
+        self.assertTrue(str(caught.exception).startswith(
+            "torch_fsdp_ext: fix 'recompute' is installed on rank(s) 0 and not on rank(s) 1; every rank must install "
+            "the same fixes"
+        ), str(caught.exception))
+
+    def test_ranks_with_the_same_fixes_train_as_before(self):
+        """Both ranks without the recompute fix agree: the comparison looks at what differs, not at what is off."""
+        with plugin(True):
+            torch_fsdp_ext.uninstall(["recompute"])
+            losses = train(mixed_model(True), self.rank, 2)
+        with plugin(False):
+            reference = train(mixed_model(False), self.rank, 2)
+        self.assertEqual(losses, reference)
+
+
+@needs_dtype_fix
+@plugin_specific
 class TestGroupsAndIncarnations(FSDPExtTestCase):
     def test_60_new_group_trials_leave_open_files_and_threads_as_plain_torch(self):
         """Before: +5 open files and +3 threads per trial with the plugin (every group kept alive)."""
@@ -297,7 +327,9 @@ class TestStaleKeys(TestCase):
                 thread.join()
             return errors
 
-        first, second = json.dumps([["<root>", [["w", "torch.float32", True]]]]), json.dumps([["<root>", []]])
+        # A rank's description: the fixes installed, then (group name, layout) per group.
+        first = json.dumps([["dtype"], [["<root>", [["w", "torch.float32", True]]]]])
+        second = json.dumps([["dtype"], [["<root>", []]]])
         with unittest.mock.patch.dict(os.environ, {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0"}):
             self.assertEqual(both((first, first)), [])  # the first incarnation
             self.assertEqual(both((second, second)), [])  # the next one: same store, same group name

@@ -6,6 +6,7 @@
 not a strategy stops the import with a ``SettingError``, a ``ValueError``). See README.md.
 """
 
+import sys as _sys
 import warnings as _warnings
 
 # Note: torch warns "Failed to initialize NumPy" when it is imported without numpy, an optional
@@ -50,6 +51,10 @@ _compute_dtype.set_default_selectors(_compute_dtype.selectors_from_env())
 # Note: raises on a strategy it cannot honour; training with the default instead would
 # silently double the training state a user chose "preserve" to avoid.
 _install.set_default_dtype_strategy(_env.choice("TORCH_FSDP_EXT_DTYPE_STRATEGY", STRATEGIES))
+# Note: the start-up hook may be waiting to import the plugin at the first FSDP group
+# (torch_fsdp_ext_startup); this import ends that wait.
+if "torch_fsdp_ext_startup" in _sys.modules:
+    _sys.modules["torch_fsdp_ext_startup"].end_wait()
 if not _env.switch("TORCH_FSDP_EXT_DISABLE"):
     try:
         install()

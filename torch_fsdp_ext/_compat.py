@@ -16,6 +16,8 @@ import functools
 import importlib
 import inspect
 import operator
+import os
+import sys
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -500,15 +502,105 @@ def local_shard_numel(fsdp_param: Any) -> int:
 MIXED_REDUCE_OWNERS = ("FSDPParamGroup", "FSDPParam", "fsdp_param_group_module")
 
 @functools.lru_cache(maxsize=None)
-def probe_reduce_casts_grads_per_param() -> bool:
+def probe_reduce_casts_grads_per_param() -> bool | None:
     """Does this release give each parameter its gradient in its own dtype after the reduce-scatter?
 
     Note: up to 2.14 ``foreach_reduce`` takes the group's ``orig_dtype`` and casts
     the whole reduce output to it; 2.15 dropped that argument and casts per
-    parameter (``sharded_grad_dtype``).
+    parameter (``sharded_grad_dtype``). Read on torch's own function, never on what
+    another library put in its place (Note [Foreign patches]); None where torch's own
+    cannot be found.
     """
-    foreach_reduce = load_internals().fsdp_param_group_module.foreach_reduce
+    foreach_reduce = torch_own(load_internals().fsdp_param_group_module.foreach_reduce, "foreach_reduce")
+    if foreach_reduce is None:
+        return None
     return "orig_dtype" not in inspect.signature(foreach_reduce).parameters
+
+
+# Note [Foreign patches]. Other libraries patch FSDP2's internals too (NeMo Automodel's
+# ``patch_fsdp_uniform_reduce_dtype`` replaces ``foreach_reduce`` in ``_fsdp_collectives`` and
+# ``_fsdp_param_group`` with a wrapper that widens a group's gradients, then calls torch's).
+# A signature read on such a wrapper says nothing about torch, and a wrapper applied after the
+# plugin's may drop it. So who owns a function is told by where its code lives (identity:
+# ``__code__.co_filename`` under torch's package, under this plugin's, or elsewhere), never by
+# its names or signature, which ``functools.wraps`` copies; torch's own function is found
+# through what a wrapper keeps of it (``__wrapped__``, its closure, the global it calls).
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def function_origin(fn: Any) -> str:
+    """``"torch"``, ``"torch_fsdp_ext"`` or ``"foreign"``: whose file the function's code comes from."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    filename = os.path.abspath(code.co_filename) if code is not None else ""
+    if filename.startswith(_PLUGIN_DIR):
+        return "torch_fsdp_ext"
+    if filename.startswith(_TORCH_DIR):
+        return "torch"
+    return "foreign"
+
+
+def _code_name(fn: Any) -> str | None:
+    code = getattr(inspect.unwrap(fn, stop=lambda f: function_origin(f) != "torch"), "__code__", None)
+    return code.co_name if code is not None else None
+
+
+def torch_own(fn: Any, name: str) -> Any:
+    """Torch's own function ``name`` behind ``fn`` (``fn`` itself when torch's), or None.
+
+    Searched through the wrappers in front of it: ``__wrapped__``, closure cells, and the
+    global of the same name a wrapper's code calls. Torch's own decorators (``torch.no_grad()``)
+    count as torch's.
+    """
+    seen, queue = set(), [fn]
+    while queue and len(seen) < 64:
+        candidate = queue.pop(0)
+        if id(candidate) in seen or not callable(candidate):
+            continue
+        seen.add(id(candidate))
+        if function_origin(candidate) == "torch" and _code_name(candidate) == name:
+            return candidate
+        queue.append(getattr(candidate, "__wrapped__", None))
+        for cell in getattr(candidate, "__closure__", None) or ():
+            try:
+                queue.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        code = getattr(candidate, "__code__", None)
+        for global_name in code.co_names if code is not None else ():
+            queue.append(getattr(candidate, "__globals__", {}).get(global_name))
+    return None
+
+
+# The functions whose foreign wrappers the plugin composes with exactly (``_mixed_groups``).
+COMPOSED_FOREIGN = frozenset({("fsdp_param_group_module", "foreach_reduce")})
+
+
+def foreign_patches() -> list[str]:
+    """``owner.method is module.qualname`` for each function the plugin wraps that another library replaced,
+    except those it composes with exactly (``COMPOSED_FOREIGN``)."""
+    internals = load_internals()
+    found = []
+    for owner, method in WRAPPED_METHODS:
+        obj = internals.symbols.get(owner)
+        fn = getattr(obj, method, None) if obj is not None else None
+        if fn is not None and (owner, method) not in COMPOSED_FOREIGN and function_origin(fn) == "foreign":
+            found.append(f"{symbol_names(internals, (f'{owner}.{method}',))[0]} is {describe_function(fn)}")
+    return found
+
+
+def describe_function(fn: Any) -> str:
+    """``module.qualname`` of the code that runs: a wrapper's own, not what ``functools.wraps`` copied onto it."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None:
+        return repr(fn)
+    qualname = getattr(code, "co_qualname", code.co_name)  # co_qualname: Python >= 3.11
+    filename = os.path.abspath(code.co_filename)
+    for module_name, module in list(sys.modules.items()):
+        module_file = getattr(module, "__file__", None)
+        if module_file and os.path.abspath(module_file) == filename:
+            return f"{module_name}.{qualname}"
+    return f"{filename}:{qualname}"
 
 
 # ---------------------------------------------------------------------------

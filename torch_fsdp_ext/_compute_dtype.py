@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import os
+import operator
 import re
 import sys
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-from . import _compat, _env, _mixed_groups
+from . import _compat, _env, _loaded_dtypes, _mixed_groups
 from ._dtype_plan import format_dtype, param_names
 
 ENV_VAR = "TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE"
@@ -110,6 +111,17 @@ else:
             return dataclasses.replace(self, param_dtype=param_dtype, param_dtype_override_fn=None)
 
 
+# Whether the dtype fix is active, and if not why: set by ``_install`` at every install() and
+# uninstall() (this module is imported by the fix, so it is told, never asks).
+_dtype_fix_inactive_reason: str | None = "not installed"
+
+
+def note_dtype_fix(inactive_reason: str | None) -> None:
+    """``_install``: the dtype fix is now active (None), or not, for this reason."""
+    global _dtype_fix_inactive_reason
+    _dtype_fix_inactive_reason = inactive_reason
+
+
 def _require_dtype_fix() -> None:
     """The backported override works through the dtype fix's hooks; without them FSDP2 ignores it.
 
@@ -118,15 +130,12 @@ def _require_dtype_fix() -> None:
     Groups built while the fix was active keep their overrides after ``uninstall()``
     (``_dtype_fix.GroupKeeper``).
     """
-    from . import _install  # imported late: _install imports this module
-
-    dtype_fix = _install.status().fixes["dtype"]
-    if dtype_fix.active:
+    if _dtype_fix_inactive_reason is None:
         return
     raise ValueError(
         f"torch_fsdp_ext: MixedPrecisionPolicy(param_dtype_override_fn=...) needs the plugin's dtype fix on torch "
         f"{torch.__version__} (no native param_dtype_override_fn), and the fix is not active: "
-        f"{'not installed' if dtype_fix.needed else dtype_fix.reason}. FSDP2 would ignore the override and every "
+        f"{_dtype_fix_inactive_reason}. FSDP2 would ignore the override and every "
         "parameter would compute in param_dtype. Fix: unset TORCH_FSDP_EXT_DISABLE or call "
         "torch_fsdp_ext.install() before making the policy."
     )
@@ -251,8 +260,13 @@ def _entry_pattern(entry: str) -> re.Pattern:
     return re.compile(r"(?:^|\.)" + re.escape(entry).replace(r"\*", r"[^.]*") + r"(?:\.|$)")
 
 
-def _select_kept_in_fp32(root: nn.Module) -> tuple[dict[nn.Module, torch.dtype], bool]:
-    """``"auto"``: the fp32-loaded modules the keep-in-fp32 lists in ``root``'s tree name; whether any list exists."""
+def _select_kept_in_fp32(
+    root: nn.Module, loaded_dtype: Callable[[nn.Parameter], torch.dtype] = operator.attrgetter("dtype")
+) -> tuple[dict[nn.Module, torch.dtype], bool]:
+    """``"auto"``: the fp32-loaded modules the keep-in-fp32 lists in ``root``'s tree name; whether any list exists.
+
+    ``loaded_dtype``: each parameter's dtype as loaded (the plugin's upcast may have changed it since).
+    """
     selected: dict[nn.Module, torch.dtype] = {}
     declared = False
     for owner in root.modules():
@@ -264,7 +278,8 @@ def _select_kept_in_fp32(root: nn.Module) -> tuple[dict[nn.Module, torch.dtype],
         for fqn, module in owner.named_modules():
             names = [f"{fqn}.{name}" if fqn else name for name, _ in module.named_parameters(recurse=False)]
             if module not in selected and any(p.search(name) for p in patterns for name in names):
-                if _module_dtype(fqn or "<root>", module) == torch.float32:
+                dtypes = {loaded_dtype(p) for p in module.parameters() if p.dtype.is_floating_point}
+                if dtypes == {torch.float32}:
                     selected[module] = torch.float32
     return selected, declared
 
@@ -299,6 +314,14 @@ def _no_keep_in_fp32_lists(where: str) -> str:
     )
 
 
+def _no_keep_in_fp32_lists_on_model(model: str) -> str:
+    return (
+        f"torch_fsdp_ext: {_setting_as(AUTO)} reads the modules to keep in fp32 from transformers' "
+        f"_keep_in_fp32_modules and _keep_in_fp32_modules_strict, which model {model} and every module in it "
+        f"leave empty, so name the modules instead, as in {_setting_as('LlamaRMSNorm')}."
+    )
+
+
 def _selector_name(selector: Any) -> str:
     return selector.__name__ if isinstance(selector, type) else repr(selector)
 
@@ -313,18 +336,29 @@ def _nothing_matched(unused: list, model: nn.Module | None) -> str:
 
 
 # Selectors from TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE / ``run.py --compute-in-loaded-dtype``,
-# applied to every group whose policy has no override of its own.
+# applied to every group whose policy has no override of its own; where they came from, for errors.
 _default_selectors: tuple[str, ...] = ()
 _matched_defaults: set[int] = set()
+LAUNCHER_OPTION = "--compute-in-loaded-dtype"
+_default_setting = ENV_VAR  # or LAUNCHER_OPTION
 
 
-def set_default_selectors(selectors: Iterable[str] | str | None) -> None:
-    """Modules that compute in their loaded dtype in every group without an override ("" or None: none)."""
-    global _default_selectors
+def set_default_selectors(selectors: Iterable[str] | str | None, source: str = ENV_VAR) -> None:
+    """Modules that compute in their loaded dtype in every group without an override ("" or None: none).
+
+    ``source``: the setting the user gave them with (``ENV_VAR`` or ``LAUNCHER_OPTION``), named in errors.
+    """
+    global _default_selectors, _default_setting
     if isinstance(selectors, str):
         selectors = [s.strip() for s in selectors.split(",") if s.strip()]
     _default_selectors = _check_selectors(selectors or ())
     _matched_defaults.clear()
+    _default_setting = source
+
+
+def _setting_as(value: str) -> str:
+    """The user's setting of the default selectors with ``value``, as they wrote it."""
+    return f"{_default_setting}{' ' if _default_setting == LAUNCHER_OPTION else '='}{value}"
 
 
 def default_selectors() -> tuple[str, ...]:
@@ -360,25 +394,21 @@ class GroupOverrides:
 
     policy: Any  # the group's policy, without the override function
     compute_dtypes: dict[int, torch.dtype]
+    own: bool  # the override is the policy's own, not the default selectors'
 
 
 def resolve_before_sharding(params: list[nn.Parameter], modules: tuple, mp_policy: Any) -> GroupOverrides | None:
     """Call the group's override on each parameter as loaded; None for a group without one."""
     fn = override_fn_of(mp_policy)
     if fn is None and _default_selectors:
+        # "auto" waits for the group's lazy init (``resolve_auto``): the lists sit on the model's root,
+        # which fully_shard reaches last.
         selected: dict[nn.Module, torch.dtype] = {}
         for module in modules:
             found, used = _select(module, _default_selectors)
             selected.update(found)
             _matched_defaults.update(used)
-            if AUTO in _default_selectors:
-                kept, declared = _select_kept_in_fp32(module)
-                selected.update({m: d for m, d in kept.items() if not any(m in o.modules() for o in found)})
-                if declared:
-                    _matched_defaults.add(_default_selectors.index(AUTO))
         fn = LoadedDtypeModules(selected) if selected else None
-        if fn is not None and AUTO in _default_selectors:
-            _select_in_built_groups(modules, fn)
     if fn is None:
         return None
     base = dataclasses.replace(mp_policy, param_dtype_override_fn=None) if override_fn_of(mp_policy) else mp_policy
@@ -388,24 +418,58 @@ def resolve_before_sharding(params: list[nn.Parameter], modules: tuple, mp_polic
         dtype = _resolve(fn, base, param, names.get(id(param), f"<param {index}>"))
         if dtype != base.param_dtype:
             compute_dtypes[index] = dtype
-    return GroupOverrides(base, compute_dtypes)
+    return GroupOverrides(base, compute_dtypes, override_fn_of(mp_policy) is not None)
 
 
-def _select_in_built_groups(modules: tuple, fn: LoadedDtypeModules) -> None:
-    """``"auto"`` found at the root: select in the groups ``fully_shard`` built below it before.
+# Set on a param group once ``"auto"`` was resolved for its model; on one whose policy has its own override.
+_AUTO_ATTR = "_torch_fsdp_ext_auto_resolved"
+_OWN_OVERRIDE_ATTR = "_torch_fsdp_ext_own_override"
 
-    Note: transformers' lists sit on the model, the root; ``fully_shard`` builds the
-    groups of its layers first. Their parameters still hold their loaded dtypes (the
-    upcast waits for the first forward), and a group takes a compute dtype until its
-    lazy init (``compute_in``).
+
+def _model_root(group: Any) -> nn.Module | None:
+    """The outermost module ``fully_shard`` was applied to that holds ``group``: what the model's lists sit on."""
+    modules = _compat.group_modules(group)
+    if not modules:
+        return None
+    roots = [
+        module for module in map(_compat.root_module_of, _compat.fsdp_states())
+        if module is not None and any(sub is modules[0] for sub in module.modules())
+    ]
+    return max(roots, key=lambda module: sum(1 for _ in module.modules()), default=None)
+
+
+def resolve_auto(group: Any) -> None:
+    """``"auto"`` among the default selectors: at the group's lazy init, select in its whole model.
+
+    Note [auto where the lists live]. transformers keeps its lists on the model (the root, or a
+    model inside a PEFT wrapper), and accelerate's ``TRANSFORMER_BASED_WRAP`` gives the embedding,
+    each decoder layer and the head groups of their own before it shards the root, which is left
+    with no parameters and so with no group: at a group's construction its model's lists are out
+    of reach. At the first lazy init every module of the model has been sharded, so the lists are
+    read from the outermost sharded module's tree, which holds each group's module and all its
+    ancestors up to that root. Parameters are judged by their loaded dtype (``_loaded_dtypes``
+    remembers the dtype of each one the plugin upcast since).
     """
-    for module in modules:
-        for state in _compat.fsdp_states_under(module):
-            for group in _compat.param_groups_of(state):
-                for fsdp_param in group.fsdp_params:
-                    dtype = fn(_compat.current_module_param(fsdp_param))
-                    if dtype is not None and dtype != _compat.param_mp_policy(group, fsdp_param).param_dtype:
-                        compute_in(group, fsdp_param, dtype)
+    if AUTO not in _default_selectors or group.__dict__.get(_AUTO_ATTR):
+        return
+    root = _model_root(group)
+    if root is None:
+        return
+    groups = [g for state in _compat.fsdp_states_under(root) for g in _compat.param_groups_of(state)]
+    upcast = _loaded_dtypes._changed_dtypes(root)
+    selected, declared = _select_kept_in_fp32(root, lambda param: upcast.get(id(param), param.dtype))
+    if not declared:
+        raise ValueError(_no_keep_in_fp32_lists_on_model(_compat.user_class_name(root)))
+    _matched_defaults.add(_default_selectors.index(AUTO))
+    fn = LoadedDtypeModules(selected)
+    for g in groups:
+        g.__dict__[_AUTO_ATTR] = True
+        if g.__dict__.get(_OWN_OVERRIDE_ATTR):
+            continue  # a group whose policy has its own override: the defaults do not apply
+        for fsdp_param in g.fsdp_params:
+            dtype = fn(_compat.current_module_param(fsdp_param))
+            if dtype is not None and dtype != _compat.param_mp_policy(g, fsdp_param).param_dtype:
+                compute_in(g, fsdp_param, dtype)
 
 
 def _resolve(fn: Callable, policy: Any, param: nn.Parameter, name: str) -> torch.dtype | None:
@@ -430,6 +494,8 @@ def _resolve(fn: Callable, policy: Any, param: nn.Parameter, name: str) -> torch
 
 def after_sharding(group: Any, overrides: GroupOverrides) -> None:
     """Give each overridden FSDPParam its own policy (read by 2.15's lazy init) and mark it."""
+    if overrides.own:
+        group.__dict__[_OWN_OVERRIDE_ATTR] = True
     for index, dtype in overrides.compute_dtypes.items():
         fsdp_param = group.fsdp_params[index]
         fsdp_param.mp_policy = dataclasses.replace(overrides.policy, param_dtype=dtype)
@@ -480,14 +546,15 @@ def _check_one_cast_dtype(group: Any) -> None:
         )
 
 
-def check_defaults_matched() -> None:
-    """At lazy init: every selector of the environment / launcher matched a module somewhere."""
-    unused = [s for i, s in enumerate(_default_selectors) if i not in _matched_defaults]
-    if AUTO in unused:
-        raise ValueError(_no_keep_in_fp32_lists("no FSDP2 group built so far").replace("compute_in_loaded_dtype", ENV_VAR, 1))
+def check_defaults_matched(group: Any = None) -> None:
+    """At a group's lazy init: ``"auto"`` resolved for its model, and every other selector of the
+    environment / launcher matched a module somewhere."""
+    if group is not None:
+        resolve_auto(group)
+    unused = [s for i, s in enumerate(_default_selectors) if i not in _matched_defaults and s != AUTO]
     if unused:
         raise ValueError(
-            _nothing_matched(unused, None).replace("compute_in_loaded_dtype", ENV_VAR, 1)
+            _nothing_matched(unused, None).replace("compute_in_loaded_dtype", _default_setting, 1)
             + " No FSDP2 group built so far holds such a module."
         )
 

@@ -578,7 +578,7 @@ class GroupKeeper:
                 _compute_dtype.at_lazy_init(group)
                 return
             if fix is not None:
-                _compute_dtype.check_defaults_matched()
+                _compute_dtype.check_defaults_matched(group)
             if decision is None:
                 decision = group.__dict__[_DECISION_ATTR] = GroupDecision(fix.strategy, None)
             layout = _layout(group)

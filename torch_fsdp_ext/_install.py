@@ -10,7 +10,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from . import _compat, _env
+from . import _compat, _compute_dtype, _env
 from ._dtype_fix import DtypeFix
 from ._dtype_strategies import STRATEGIES, UPCAST_COST
 from ._patching import PatchSet
@@ -27,6 +27,7 @@ _active: dict[str, tuple[Any, PatchSet]] = globals().get("_active", {})  # fix n
 _dtype_strategy: str = globals().get("_dtype_strategy", "upcast")
 _warned_unsupported = False
 _warned_stands_aside: set[str] = set()  # fixes whose probes failed, warned about once
+_warned_foreign: set[str] = set()  # functions replaced by another library, warned about once
 
 
 @dataclass
@@ -55,8 +56,14 @@ class Status:
 
 def _make_fix(name: str, internals: _compat.TorchInternals, dtype_strategy: str) -> Any:
     if name == "dtype":
-        return DtypeFix(internals, dtype_strategy)
+        fix = DtypeFix(internals, dtype_strategy)
+        fix.ranks.installed_fixes = _installed_names  # the ranks compare them with their dtype layouts
+        return fix
     return RecomputeReplay(internals)
+
+
+def _installed_names() -> tuple[str, ...]:
+    return tuple(n for n in FIX_NAMES if n in _active)
 
 
 def _check_names(fixes: Iterable[str] | None) -> tuple[str, ...]:
@@ -124,7 +131,9 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = 
         internals = _compat.load_internals()
         if internals.fsdp_package is None:
             _warn_unsupported(internals)
+            _note_dtype_fix(internals)
             return []
+        _warn_foreign_patches()  # before this install's own wrappers cover what it found
         for name in names:
             if name in _active:
                 continue
@@ -158,7 +167,33 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = 
             _active[name] = (fix, patches)
         if "dtype" in _active:
             _active["dtype"][0].decide_existing_groups()
+        _note_dtype_fix(internals)
         return [n for n in FIX_NAMES if n in _active]
+
+
+def _warn_foreign_patches() -> None:
+    """Note [Foreign patches] in ``_compat``: a function another library replaced is named once, at install."""
+    foreign = [f for f in _compat.foreign_patches() if f not in _warned_foreign]
+    if foreign:
+        _warned_foreign.update(foreign)
+        warnings.warn(
+            f"torch_fsdp_ext: another library replaced FSDP2 functions this plugin wraps: {'; '.join(foreign)}. "
+            "The plugin wraps them as it found them; that composition is untested (docs/compatibility.md lists "
+            "the patches known to compose exactly).",
+            RuntimeWarning, stacklevel=3,
+        )
+
+
+def _note_dtype_fix(internals: _compat.TorchInternals) -> None:
+    """Tell ``_compute_dtype`` whether the dtype fix is active and, if not, why (its policy checks it)."""
+    if "dtype" in _active:
+        reason = None
+    elif internals.missing_for("dtype"):
+        reason = "unsupported torch: " + "; ".join(internals.missing_for("dtype"))
+    else:
+        needed, why = _make_fix("dtype", internals, _dtype_strategy).needed()
+        reason = "not installed" if needed else why
+    _compute_dtype.note_dtype_fix(reason)
 
 
 def uninstall(fixes: Iterable[str] | None = None) -> None:
@@ -173,6 +208,7 @@ def uninstall(fixes: Iterable[str] | None = None) -> None:
                 patches.restore()
                 if name == "dtype":
                     fix.release()  # what live preserve groups need stays until they are gone
+        _note_dtype_fix(_compat.load_internals())
 
 
 @contextlib.contextmanager

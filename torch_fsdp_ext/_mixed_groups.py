@@ -79,6 +79,16 @@ def forget_mixed_group(group: Any) -> None:
         fsdp_param.__dict__.pop(_MIXED_GROUP_ATTR, None)
 
 
+def _foreign_reduce_message(where: str, fn: Any, what: str) -> str:
+    return (
+        f"torch_fsdp_ext: {where}.foreach_reduce is {_compat.describe_function(fn)}, another library's patch, "
+        f"{what}; the gradients of FSDP2 groups that keep mixed dtypes (dtype_strategy='preserve', per-parameter "
+        "compute dtypes) would be reduced through one dtype and drift silently, so torch_fsdp_ext refuses. Apply "
+        "that library's patch before the model's first forward (the plugin then reduces these groups with torch's "
+        "own function), or train with dtype_strategy='upcast'."
+    )
+
+
 def wrap_reduce_for_mixed_groups(patches: Any) -> None:
     """Reduce a mixed group's gradients in one dtype and cast each back to its parameter's dtype.
 
@@ -88,11 +98,23 @@ def wrap_reduce_for_mixed_groups(patches: Any) -> None:
     the new ``.grad``, then casts the slice to the parameter's dtype. Gradient
     accumulation adds the slice in place into the existing ``.grad``, which
     keeps its dtype. Groups that are not mixed pass straight through.
+
+    Note: another library's wrapper of ``foreach_reduce`` (Note [Foreign patches] in
+    ``_compat``). One already in place is left to the other groups; a mixed group is
+    reduced with torch's own function, found behind it, so it reduces bit for bit as
+    without the wrapper (whose job, one gradient dtype, the plugin has done). One put in
+    place after the plugin's drops it: each mixed parameter's gradient checks, before it
+    is assigned, that the plugin's wrapper is still the one FSDP calls, and refuses.
     """
     internals = _compat.load_internals()
+    module = internals.fsdp_param_group_module
+    where = module.__name__
 
     def wrap_foreach_reduce(original: Callable) -> Callable:
-        signature = inspect.signature(original)
+        torch_reduce = _compat.torch_own(original, "foreach_reduce")
+        if torch_reduce is None:
+            raise RuntimeError(_foreign_reduce_message(where, original, "which hides torch's own function"))
+        signature = inspect.signature(torch_reduce)
 
         @wraps(original)
         def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
@@ -110,14 +132,21 @@ def wrap_reduce_for_mixed_groups(patches: Any) -> None:
                 grads[:] = [g.to(reduce_dtype) for g in grads]  # the list owns the gradients
             bound.arguments["orig_dtype"] = None
             bound.arguments["reduce_dtype"] = reduce_dtype
-            return original(*bound.args, **bound.kwargs)
+            return torch_reduce(*bound.args, **bound.kwargs)
 
         return foreach_reduce
+
+    patches.wrap(module, "foreach_reduce", wrap_foreach_reduce)
+    ours = module.foreach_reduce
 
     def wrap_to_sharded_dtensor(original: Callable) -> Callable:
         @wraps(original)
         def to_sharded_dtensor(fsdp_param: Any, tensor: torch.Tensor) -> Any:
             mixed = fsdp_param.__dict__.get(_MIXED_GROUP_ATTR)
+            if mixed is not None and module.foreach_reduce is not ours:
+                raise RuntimeError(_foreign_reduce_message(
+                    where, module.foreach_reduce, "put in place after the plugin's wrapper, which it dropped"
+                ))
             if mixed is not None and mixed[2] is not None:
                 tensor = tensor.to(mixed[2])
             if mixed is not None and tensor.dtype != mixed[0]:
@@ -126,5 +155,4 @@ def wrap_reduce_for_mixed_groups(patches: Any) -> None:
 
         return to_sharded_dtensor
 
-    patches.wrap(internals.fsdp_param_group_module, "foreach_reduce", wrap_foreach_reduce)
     patches.wrap(internals.FSDPParam, "to_sharded_dtensor", wrap_to_sharded_dtensor)

@@ -1,10 +1,13 @@
-"""Rank consistency: the ranks of each FSDP2 param group agree on its dtype layout.
+"""Rank consistency: the ranks of each FSDP2 param group agree on its dtype layout and on the fixes installed.
 
 The dtype fix decides from dtypes and ``requires_grad`` flags only, so ranks that
 built the same model decide alike. Ranks that built different dtypes would
 all-gather buffers of different dtypes: a hang or corrupt data. So the ranks of
 each group compare a description of the group's layout once, and each rank fails
-with an error naming the parameters that differ.
+with an error naming the parameters that differ. The description also lists the
+fixes installed on the rank: ranks that installed different fixes would train
+differently (a fix that stood aside on one rank only), so they fail alike, with one
+error naming the fix and the ranks.
 
 Note: when the ranks compare. Only where every rank of the group reaches FSDP
 itself: the root's first lazy init, i.e. the first forward. FSDP also runs a
@@ -121,6 +124,8 @@ class RankConsistency:
         self._torch_lazy_init: Callable | None = None
         self._settled_lock = threading.Lock()  # install/uninstall may run on another thread than training
         self._installed = False
+        # The names of the fixes installed in this process, read at each comparison (set by ``_install``).
+        self.installed_fixes: Callable[[], tuple[str, ...]] = tuple
 
     def install(self, patches: PatchSet) -> None:
         patches.wrap(self.internals.FSDPState, "_lazy_init", self._wrap_lazy_init)
@@ -209,7 +214,7 @@ class RankConsistency:
             store = _compat.process_group_store(pg)
             if store is None:
                 continue  # no store to compare through (not a c10d process group): nothing to compare with
-            comparisons.append(_Comparison.of(pg, store, entries))
+            comparisons.append(_Comparison.of(pg, store, entries, self.installed_fixes()))
         # Every rank counts all its layouts before it waits for any verdict, so ranks
         # that queued their groups in different orders cannot wait for each other.
         for comparison in comparisons:
@@ -240,14 +245,14 @@ class _Comparison:
         self.digest_key: str | None = None  # set once this rank counted its digest
 
     @classmethod
-    def of(cls, pg: Any, store: Any, entries: list[tuple[Any, tuple]]) -> _Comparison:
+    def of(cls, pg: Any, store: Any, entries: list[tuple[Any, tuple]], fixes: tuple[str, ...]) -> _Comparison:
         timeout = _compat.process_group_timeout(pg)
         source = "the process group's timeout"
         if timeout is None:
             timeout, source = store.timeout, "the store's timeout; the process group's could not be read"
         return cls(
             store, dist.get_rank(pg), dist.get_world_size(pg),
-            json.dumps([(group_name(g), layout) for g, layout in entries]),
+            json.dumps([list(fixes), [(group_name(g), layout) for g, layout in entries]]),
             ", ".join(repr(group_name(g)) for g, _ in entries), timeout, source,
             lambda r: dist.get_global_rank(pg, r),
         )
@@ -367,7 +372,19 @@ def _digest(payload: str) -> str:
 
 
 def _describe(ranks: list[int], per_rank: list[list]) -> str:
-    """What differs between the ranks' layouts (each a list of ``(group name, layout)``)."""
+    """What differs between the ranks' descriptions (each the fixes installed and a list of ``(group name, layout)``)."""
+    fixes = [set(names) for names, _ in per_rank]
+    for fix in sorted(set().union(*fixes)):
+        without = [rank for rank, names in zip(ranks, fixes) if fix not in names]
+        if without:
+            with_it = [rank for rank, names in zip(ranks, fixes) if fix in names]
+            return (
+                f"torch_fsdp_ext: fix {fix!r} is installed on rank(s) {', '.join(map(str, with_it))} and not on rank(s) "
+                f"{', '.join(map(str, without))}; every rank must install the same fixes (the same torch_fsdp_ext "
+                "import, install()/uninstall() calls and TORCH_FSDP_EXT_DISABLE setting), or the ranks train "
+                "differently. torch_fsdp_ext.status() on each rank says why a fix is not installed."
+            )
+    per_rank = [groups for _, groups in per_rank]
     if len({tuple(name for name, _ in groups) for groups in per_rank}) > 1:
         listing = "; ".join(f"rank {rank}: {[name for name, _ in groups]}" for rank, groups in zip(ranks, per_rank))
         return f"torch_fsdp_ext: ranks disagree on which FSDP2 groups exist: {listing}"

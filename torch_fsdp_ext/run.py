@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> None:
         torch_fsdp_ext.install(dtype_strategy=options.dtype_strategy)
         os.environ["TORCH_FSDP_EXT_DTYPE_STRATEGY"] = options.dtype_strategy
     if options.compute_in_loaded_dtype is not None:
-        torch_fsdp_ext._compute_dtype.set_default_selectors(options.compute_in_loaded_dtype)
-        os.environ[torch_fsdp_ext._compute_dtype.ENV_VAR] = options.compute_in_loaded_dtype
+        compute_dtype = torch_fsdp_ext._compute_dtype
+        compute_dtype.set_default_selectors(options.compute_in_loaded_dtype, compute_dtype.LAUNCHER_OPTION)
+        os.environ[compute_dtype.ENV_VAR] = options.compute_in_loaded_dtype
     os.environ["TORCH_FSDP_EXT_AUTOLOAD"] = "1"  # for interpreters the script starts (torch_fsdp_ext_startup)
     sys.argv = [options.target, *options.args]
     if options.as_module:
