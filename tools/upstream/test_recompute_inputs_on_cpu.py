@@ -384,9 +384,9 @@ class TestRecomputeInputsOnCPU(FSDPExtTestCase):
 
     def assert_freed(self, refs: list[weakref.ref]) -> None:
         """Every referent of ``refs`` is freed, by reference counting (the cyclic GC stays off)."""
-        # Note: the last region's tensors may be released by another thread a moment after the
-        # region's last reference on this one goes (seen in 2 of about 30 runs, released before the
-        # failure could be printed), so this waits for that (bounded) and never collects.
+        # Note: in 2 of about 30 runs the last region's input was still alive at the check and was
+        # freed, without a collection, before the failure was printed: released a moment later by
+        # something other than this thread's code. So this waits (bounded) and never collects.
         deadline = time.monotonic() + FREED_WAIT_S
         while any(ref() is not None for ref in refs) and time.monotonic() < deadline:
             time.sleep(0.01)
