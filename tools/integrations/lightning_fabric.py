@@ -23,12 +23,11 @@ parameters).
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
 
-from _jobs import launch_job, launch_jobs, run_tool  # this script's folder
-from _lightning import RESUME_STEP, STEPS, report
+from _jobs import run_tool  # this script's folder
+from _lightning import RESUME_STEP, STEPS, run_jobs
 from _model import full_params, mixed_llama, train_steps
 
 
@@ -80,13 +79,7 @@ def job(variant: str, root: str, result_path: str) -> None:
 
 
 def main() -> int:
-    label = "lightning-fabric"
-    with tempfile.TemporaryDirectory() as root:
-        plain, _ = launch_job(__file__, "plain", root)
-        results = launch_jobs(__file__, label, ("workaround", "plugin"), root)
-    if results is None:
-        return 1
-    ok = report(label, plain, results, f"fabric.save -> fabric.load at step {RESUME_STEP} (one file)")
+    ok, _ = run_jobs(__file__, "lightning-fabric", f"fabric.save -> fabric.load at step {RESUME_STEP} (one file)")
     return 0 if ok else 1
 
 

@@ -25,12 +25,11 @@ parameters), and bf16-true turned the fp32 norms into bf16.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
 
-from _jobs import launch_job, launch_jobs, run_tool  # this script's folder
-from _lightning import RESUME_STEP, STEPS, report
+from _jobs import run_tool  # this script's folder
+from _lightning import RESUME_STEP, STEPS, run_jobs
 from _model import RMSNorm, full_params, lm_loss, mixed_llama, tokens
 
 
@@ -114,12 +113,10 @@ def job(variant: str, root: str, result_path: str) -> None:
 
 def main() -> int:
     label = "lightning-trainer"
-    with tempfile.TemporaryDirectory() as root:
-        plain, _ = launch_job(__file__, "plain", root)
-        results = launch_jobs(__file__, label, ("workaround", "plugin"), root, through_launcher={"plugin"})
+    ok, results = run_jobs(__file__, label, f"save_checkpoint -> fit(ckpt_path) at step {RESUME_STEP}",
+                           through_launcher={"plugin"})
     if results is None:
         return 1
-    ok = report(label, plain, results, f"save_checkpoint -> fit(ckpt_path) at step {RESUME_STEP}")
     dtypes = results["workaround"]["bf16_true_norm_dtypes"]
     cast = sum(dtype == torch.bfloat16 for dtype in dtypes)
     print(f"{label}: precision='bf16-true' after model.float(): {cast}/{len(dtypes)} fp32 RMSNorm weights are bf16 "
