@@ -1,4 +1,4 @@
-"""The model, data, comparisons and job launcher the integration tools share.
+"""The model, data, training steps and comparisons the integration tools share.
 
 A tiny Llama-like language model as a mixed-dtype checkpoint loads: embedding and linears in bf16, RMSNorm weights
 in fp32. Every rank builds the same initial weights (a fixed seed) and trains on its own fixed batches.
@@ -6,9 +6,7 @@ in fp32. Every rank builds the same initial weights (a fixed seed) and trains on
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -80,6 +78,21 @@ def lm_loss(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), batch[:, 1:].flatten())
 
 
+def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, steps: Iterable[int],
+                backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> list[torch.Tensor]:
+    """One optimizer step of the LM loss on this rank's batch for each step in ``steps``, the gradients by
+    ``backward`` (a framework's own, e.g. ``fabric.backward``); the losses."""
+    losses = []
+    for step in steps:
+        data = tokens(rank, step)
+        loss = lm_loss(model(data), data)
+        backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach().clone())
+    return losses
+
+
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a full tensor on the CPU (a collective: call it on every rank)."""
     full = {}
@@ -100,21 +113,3 @@ def compare(label: str, result: dict, reference: dict, reference_name: str) -> t
     losses = ", ".join(f"{loss.item():.6f}" for loss in result["losses"])
     verdict = "bit for bit" if exact else "DIFFERENT"
     return f"{label}: plugin vs {reference_name}: {verdict} (losses {losses}; {len(equal)}/{len(names)} params)", exact
-
-
-def launch_job(script: str, variant: str, root: str, through_launcher: bool = False, torchrun: bool = False,
-               settings: dict[str, str] | None = None):
-    """Run ``script --job VARIANT ROOT RESULT``: a job that starts its ranks itself, or, with ``torchrun``, one that
-    ``torchrun --nproc-per-node 2`` starts; with ``python -m torch_fsdp_ext.run`` in front if ``through_launcher``,
-    and ``settings`` (TORCH_FSDP_EXT_* variables) in its environment. The process and the job's result, if any."""
-    result_path = os.path.join(root, f"{variant}.pt")
-    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2"] if torchrun else []
-    launcher += ["-m", "torch_fsdp_ext.run"] if through_launcher else []
-    # Note: no TORCH_FSDP_EXT_* setting of the caller reaches a job; only the job's own turn the plugin on.
-    env = {name: value for name, value in os.environ.items() if not name.startswith("TORCH_FSDP_EXT_")}
-    env.update(settings or {})
-    process = subprocess.run(
-        [sys.executable, *launcher, os.path.abspath(script), "--job", variant, root, result_path],
-        capture_output=True, text=True, timeout=600, env=env,
-    )
-    return process, torch.load(result_path) if os.path.exists(result_path) else None

@@ -22,17 +22,13 @@ parameters).
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-import tempfile
 
 import torch
 
-from _model import compare, full_params, launch_job, lm_loss, mixed_llama, tokens  # this script's folder
-
-STEPS, RESUME_STEP = 4, 2
-ASSERTION = "FSDP expects uniform original parameter dtype"
+from _jobs import run_tool  # this script's folder
+from _lightning import RESUME_STEP, STEPS, run_jobs
+from _model import full_params, mixed_llama, train_steps
 
 
 def shard(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
@@ -56,14 +52,7 @@ def train(fabric, variant: str, first_step: int, last_step: int, checkpoint: str
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     if checkpoint is not None:
         fabric.load(checkpoint, {"model": model, "optimizer": optimizer})
-    losses = []
-    for step in range(first_step, last_step):
-        data = tokens(fabric.global_rank, step)
-        loss = lm_loss(model(data), data)
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach().clone())
+    losses = train_steps(model, optimizer, fabric.global_rank, range(first_step, last_step), fabric.backward)
     if save is not None:
         fabric.save(save, {"model": model, "optimizer": optimizer})
     return {"losses": losses, "params": full_params(model)}
@@ -90,41 +79,9 @@ def job(variant: str, root: str, result_path: str) -> None:
 
 
 def main() -> int:
-    from importlib.metadata import version
-
-    label = "lightning-fabric"
-    ok = True
-    with tempfile.TemporaryDirectory() as root:
-        plain, _ = launch_job(__file__, "plain", root)
-        results = {}
-        for variant in ("workaround", "plugin"):
-            process, results[variant] = launch_job(__file__, variant, root)
-            if process.returncode != 0 or results[variant] is None:
-                print(process.stdout + process.stderr)
-                print(f"{label}: the {variant} job failed (exit {process.returncode})")
-                return 1
-    print(f"torch {torch.__version__}, lightning {version('lightning')}, 2 gloo ranks, {STEPS} steps")
-    failed = plain.returncode != 0 and ASSERTION in plain.stderr
-    print(f"{label}: without plugin: {'AssertionError: ' + ASSERTION if failed else 'NO ASSERTION'}")
-    ok &= failed
-    line, exact = compare(label, results["plugin"], results["workaround"], "model.float()")
-    print(line)
-    ok &= exact
-    uninterrupted = {"losses": results["plugin"]["losses"][RESUME_STEP:], "params": results["plugin"]["params"]}
-    line, exact = compare(f"{label}: fabric.save -> fabric.load at step {RESUME_STEP} (one file)",
-                          results["plugin"]["resumed"], uninterrupted, "uninterrupted")
-    print(line)
-    ok &= exact
+    ok, _ = run_jobs(__file__, "lightning-fabric", f"fabric.save -> fabric.load at step {RESUME_STEP} (one file)")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--job", nargs=3, metavar=("VARIANT", "ROOT", "RESULT"))
-    arguments = parser.parse_args()
-    if arguments.job:
-        job(*arguments.job)
-        from torch_fsdp_ext._rank_end import end_rank  # the job is over: what importing the package installs is unused
-
-        end_rank()
-    sys.exit(main())
+    run_tool(__doc__, job, main)

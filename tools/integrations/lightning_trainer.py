@@ -24,17 +24,13 @@ parameters), and bf16-true turned the fp32 norms into bf16.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-import tempfile
 
 import torch
 
-from _model import RMSNorm, compare, full_params, launch_job, lm_loss, mixed_llama, tokens  # this script's folder
-
-STEPS, RESUME_STEP = 4, 2
-ASSERTION = "FSDP expects uniform original parameter dtype"
+from _jobs import run_tool  # this script's folder
+from _lightning import RESUME_STEP, STEPS, run_jobs
+from _model import RMSNorm, full_params, lm_loss, mixed_llama, tokens
 
 
 def lightning_run(variant: str, root: str, steps: int, precision: str = "32-true", ckpt_path: str | None = None):
@@ -116,31 +112,11 @@ def job(variant: str, root: str, result_path: str) -> None:
 
 
 def main() -> int:
-    from importlib.metadata import version
-
     label = "lightning-trainer"
-    ok = True
-    with tempfile.TemporaryDirectory() as root:
-        plain, _ = launch_job(__file__, "plain", root)
-        results = {}
-        for variant in ("workaround", "plugin"):
-            process, results[variant] = launch_job(__file__, variant, root, through_launcher=variant == "plugin")
-            if process.returncode != 0 or results[variant] is None:
-                print(process.stdout + process.stderr)
-                print(f"{label}: the {variant} job failed (exit {process.returncode})")
-                return 1
-    print(f"torch {torch.__version__}, lightning {version('lightning')}, 2 gloo ranks, {STEPS} steps")
-    failed = plain.returncode != 0 and ASSERTION in plain.stderr
-    print(f"{label}: without plugin: {'AssertionError: ' + ASSERTION if failed else 'NO ASSERTION'}")
-    ok &= failed
-    line, exact = compare(label, results["plugin"], results["workaround"], "model.float()")
-    print(line)
-    ok &= exact
-    uninterrupted = {"losses": results["plugin"]["losses"][RESUME_STEP:], "params": results["plugin"]["params"]}
-    line, exact = compare(f"{label}: save_checkpoint -> fit(ckpt_path) at step {RESUME_STEP}",
-                          results["plugin"]["resumed"], uninterrupted, "uninterrupted")
-    print(line)
-    ok &= exact
+    ok, results = run_jobs(__file__, label, f"save_checkpoint -> fit(ckpt_path) at step {RESUME_STEP}",
+                           through_launcher={"plugin"})
+    if results is None:
+        return 1
     dtypes = results["workaround"]["bf16_true_norm_dtypes"]
     cast = sum(dtype == torch.bfloat16 for dtype in dtypes)
     print(f"{label}: precision='bf16-true' after model.float(): {cast}/{len(dtypes)} fp32 RMSNorm weights are bf16 "
@@ -150,12 +126,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--job", nargs=3, metavar=("VARIANT", "ROOT", "RESULT"))
-    arguments = parser.parse_args()
-    if arguments.job:
-        job(*arguments.job)
-        from torch_fsdp_ext._rank_end import end_rank  # the job is over: what importing the package installs is unused
-
-        end_rank()
-    sys.exit(main())
+    run_tool(__doc__, job, main)

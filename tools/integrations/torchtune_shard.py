@@ -33,17 +33,14 @@ its first loss on every rank equal to the unsharded bf16 base model's bit for bi
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import tempfile
 
 import torch
 
-from _model import VOCAB, launch_job, lm_loss, tokens  # this script's folder
+from _jobs import ASSERTION, launch_job, launch_jobs, run_tool  # this script's folder
+from _model import VOCAB, lm_loss, tokens, train_steps
 
 STEPS = 3
-ASSERTION = "FSDP expects uniform original parameter dtype"
 LORA_ERROR = "expected m1 and m2 to have the same dtype"
 
 
@@ -116,14 +113,7 @@ def job(variant: str, root: str, result_path: str) -> None:
     training.load_from_full_model_state_dict(model, dict(full_sd), torch.device("cpu"), strict=True)
 
     optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        data = tokens(rank, step)
-        loss = lm_loss(model(data), data)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach().clone())
+    losses = train_steps(model, optimizer, rank, range(STEPS))
 
     # The reference for the first step: the checkpoint in an unsharded model with the same dtypes, one process
     # (built under the recipe's default dtype, as its RoPE cache was). LoRA's lora_b starts at zero, so there the
@@ -151,13 +141,9 @@ def main() -> int:
     label = "torchtune"
     with tempfile.TemporaryDirectory() as root:
         plain, _ = launch_job(__file__, "plain", root, torchrun=True)
-        results = {}
-        for variant in ("plugin", "workaround"):
-            process, results[variant] = launch_job(__file__, variant, root, torchrun=True)
-            if process.returncode != 0 or results[variant] is None:
-                print(process.stdout + process.stderr)
-                print(f"{label}: the {variant} job failed (exit {process.returncode})")
-                return 1
+        results = launch_jobs(__file__, label, ("plugin", "workaround"), root, torchrun=True)
+    if results is None:
+        return 1
     print(f"torch {torch.__version__}, torchtune {version('torchtune')}, torchao {version('torchao')}, "
           f"2 gloo ranks, {STEPS} steps")
     failed = plain.returncode != 0 and ASSERTION in plain.stdout + plain.stderr
@@ -194,12 +180,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--job", nargs=3, metavar=("VARIANT", "ROOT", "RESULT"))
-    arguments = parser.parse_args()
-    if arguments.job:
-        job(*arguments.job)
-        from torch_fsdp_ext._rank_end import end_rank  # the job is over: what importing the package installs is unused
-
-        end_rank()
-    sys.exit(main())
+    run_tool(__doc__, job, main)
