@@ -52,8 +52,10 @@ class AutoloadTest(TestCase):
             "print(torch_fsdp_ext.status())"
         )
         text = python("-c", code).stdout
-        self.assertIn("recompute: torch's internals changed (a stand-in difference); the recompute fix stands aside",
-                      text)
+        self.assertIn(
+            "recompute: not installed: torch's internals changed (a stand-in difference); the recompute fix stands aside.",
+            text,
+        )
         self.assertNotIn("the plugin torch's", text)
 
     @unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed dtypes in one FSDP group: nothing to fix")
