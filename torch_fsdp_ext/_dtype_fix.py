@@ -693,10 +693,20 @@ class GroupKeeper:
 
 
 def _upcast_before_state_dict(fix_ref: weakref.ref, module: torch.nn.Module, *args: Any) -> None:
-    """``state_dict()`` / ``load_state_dict()`` pre-hook of an FSDP module: Note [Upcast moment]."""
+    """``state_dict()`` / ``load_state_dict()`` pre-hook of an FSDP module: Note [Upcast moment].
+
+    Note: once its model is decided, only the module's own tree is looked at again (a dtype changed
+    since): a ``load_state_dict(assign=True)`` through the root runs this hook of each block after the
+    blocks before it took their new tensors, which must stay as assigned until the next moment of the model.
+    """
     fix = fix_ref()
-    if fix is not None and fix.active and _compat.is_root_flag(_compat.fsdp_state_of(module)) is None:
-        fix.upcast_model(module)
+    state = _compat.fsdp_state_of(module)
+    if fix is None or not fix.active or _compat.is_root_flag(state) is not None:
+        return
+    if any(group in fix._undecided for group in _compat.param_groups_of(state)):
+        fix.upcast_model(module)  # Note [Scope of the upcast]: its whole model
+    else:
+        fix.upcast_root(module)
 
 
 def _upcast_before_load_into(fix_ref: weakref.ref, group_ref: weakref.ref, module: torch.nn.Module, *args: Any) -> None:
