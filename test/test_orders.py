@@ -78,6 +78,13 @@ def _clone(value):
     return value
 
 
+def bf16_blocks_fp32_norm(seed: int = 0) -> TinyLlama:
+    torch.manual_seed(seed)
+    model = TinyLlama().to(torch.bfloat16)
+    model.norm.float()
+    return model
+
+
 def _full(value: torch.Tensor) -> torch.Tensor:
     return (value.full_tensor() if hasattr(value, "full_tensor") else value).detach()
 
@@ -85,13 +92,14 @@ def _full(value: torch.Tensor) -> torch.Tensor:
 class Run:
     """One model of a pair and what user code did to it: the plugin's (mixed, as loaded) or the workaround's.
 
-    ``layout``: "one" model, or a "container" (a plain ``nn.ModuleDict``) of two models each
-    ``fully_shard``-ed on its own: the mixed one as ``policy`` and an all-bf16 ``value`` model, which
-    the workaround leaves as it is (``model.float()`` is for a mixed model).
+    ``layout``: "one" model (bf16, fp32 norms and routers), "bf16 blocks" (every block bf16, only
+    the final norm fp32: a block alone is uniform), or a "container" (a plain ``nn.ModuleDict``) of two
+    models each ``fully_shard``-ed on its own: the mixed one as ``policy`` and an all-bf16 ``value``
+    model, which the workaround leaves as it is (``model.float()`` is for a mixed model).
     """
 
     def __init__(self, workaround: bool, rank: int, seed: int = 0, layout: str = "one") -> None:
-        model = seed_000_model(seed)
+        model = bf16_blocks_fp32_norm(seed) if layout == "bf16 blocks" else seed_000_model(seed)
         model = shard_model(model.float() if workaround else model, mp_policy=MP)
         if layout == "container":
             torch.manual_seed(seed + 5)
@@ -437,7 +445,7 @@ class OrderMachine(RuleBasedStateMachine):
     then ends there). At the end both take a train step, and must then be equal
     (``assert_trains_as_workaround``): the sequence is what happens before training goes on.
 
-    A sequence starts with one model or with two under one container, and with the plugin
+    A sequence starts with one model (``Run``'s layouts) or with two under one container, and with the plugin
     installed or not (then ``install (late)`` comes in it, before any forward). Weights loaded
     before a late install were rounded before the plugin existed: such a sequence trains as the
     workaround, or the upcast said so (its one WARNING), or the step's error did.
@@ -464,7 +472,7 @@ class OrderMachine(RuleBasedStateMachine):
         self.trace: list[str] = []
         OrderMachine.sequences.append(self.trace)
 
-    @initialize(layout=st.sampled_from(["one", "container"]), installed=st.booleans())
+    @initialize(layout=st.sampled_from(["one", "bf16 blocks", "container"]), installed=st.booleans())
     def build(self, layout: str, installed: bool) -> None:
         if not installed:
             torch_fsdp_ext.uninstall()
@@ -502,8 +510,13 @@ class OrderMachine(RuleBasedStateMachine):
     def eval_forward(self) -> None:
         self.apply("no_grad forward", Run.eval_forward)
 
+    @precondition(lambda self: not self.raised)
+    @rule(mode=st.sampled_from(["sharded", "full"]))
+    def get_model_state_dict(self, mode: str) -> None:
+        self.apply(f"get model ({mode})", lambda run: run.get("model", STATE_DICT_OPTIONS[mode], key=f"model/{mode}"))
+
     @precondition(has_optimizer)
-    @rule(what=st.sampled_from(["model", "optim", "both", "optim_then_model"]), mode=st.sampled_from(["sharded", "full"]))
+    @rule(what=st.sampled_from(["optim", "both", "optim_then_model"]), mode=st.sampled_from(["sharded", "full"]))
     def get_state_dict(self, what: str, mode: str) -> None:
         self.apply(f"get {what} ({mode})", lambda run: run.get(what, STATE_DICT_OPTIONS[mode], key=f"{what}/{mode}"))
 
