@@ -275,10 +275,12 @@ class DtypeFix:
 
         Returns the names of the parameters it upcast now (FQNs under ``module`` where it contains them).
         """
+        roots = fsdp_roots_of([module])
+        inside = [root for root in roots if root is not module and _contains(module, root)]
+        names = _param_names(module) if inside else None
         upcast = []
-        for root in fsdp_roots_of([module]):
-            upcast.extend(self.upcast_root(root, _param_names(module) if root is not module and _contains(module, root)
-                                           else None))
+        for root in roots:
+            upcast.extend(self.upcast_root(root, names if any(root is r for r in inside) else None))
         return upcast
 
     def upcast_root(self, root: torch.nn.Module, names: dict[int, str] | None = None) -> list[str]:
