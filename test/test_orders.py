@@ -445,9 +445,10 @@ class OrderMachine(RuleBasedStateMachine):
     (``assert_trains_as_workaround``): the sequence is what happens before training goes on.
 
     A sequence starts with one model (``Run``'s layouts) or with two under one container, and with the plugin
-    installed or not (then ``install (late)`` comes in it, before any forward). Weights loaded
-    before a late install were rounded before the plugin existed: such a sequence trains as the
-    workaround, or the upcast said so (its one WARNING), or the step's error did.
+    installed or not (then ``install (late)`` comes in it, before any forward). Weights loaded, or
+    optimizer state made, before a late install were in the loaded dtypes before the plugin existed:
+    such a sequence trains as the workaround, or the upcast said so (its one WARNING), or the step's
+    error did, or the plugin cast nothing (the model was uniform by its first moment: torch's training).
     """
 
     test: unittest.TestCase  # set by the test that runs the machine
@@ -464,7 +465,7 @@ class OrderMachine(RuleBasedStateMachine):
         self.checkpoint_saved = False
         self.installed = True
         self.loaded = False  # weights or state were loaded (a late install then cannot undo their rounding)
-        self.loaded_before_install = False
+        self.unseen_before_install = False
         self.source: nn.Module | None = None
         self.warnings = LateWarnings()
         logging.getLogger("torch_fsdp_ext").addHandler(self.warnings)
@@ -579,7 +580,9 @@ class OrderMachine(RuleBasedStateMachine):
         self.trace.append("install (late)")
         torch_fsdp_ext.install()
         self.installed = True
-        self.loaded_before_install = self.loaded
+        # What the plugin never saw: weights loaded, or optimizer state made in the loaded dtypes.
+        optimizer = self.runs[0].optimizer
+        self.unseen_before_install = self.loaded or bool(optimizer is not None and optimizer.state)
 
     @precondition(lambda self: self.raised)
     @rule()
@@ -599,6 +602,10 @@ class OrderMachine(RuleBasedStateMachine):
             for group in _compat.param_groups_of(state)
         )
 
+    def cast_nothing(self) -> bool:
+        loaded = torch_fsdp_ext.loaded_dtypes(self.runs[0].model)
+        return all(loaded[name] == p.dtype for name, p in self.runs[0].model.named_parameters())
+
     def teardown(self) -> None:
         try:
             if self.runs is None:
@@ -613,10 +620,17 @@ class OrderMachine(RuleBasedStateMachine):
                 try:
                     assert_trains_as_workaround(self.test, *self.runs)
                 except AssertionError:
-                    # Note [Installed late]: rounded before the plugin existed; the upcast must have said so.
-                    if not (self.loaded_before_install and self.said_late()):
+                    # Note [Installed late]: values rounded, or optimizer state made, before the plugin existed:
+                    # the upcast must have said so, or the plugin cast nothing (the model was made uniform
+                    # before its first moment): then it trains as torch does, without the plugin.
+                    if not self.unseen_before_install:
                         raise
-                    self.trace.append("said late")
+                    if self.said_late():
+                        self.trace.append("said late")
+                    elif self.cast_nothing():
+                        self.trace.append("as torch")
+                    else:
+                        raise
         finally:
             logging.getLogger("torch_fsdp_ext").removeHandler(self.warnings)
             if not self.installed:
@@ -646,9 +660,11 @@ class TestOrderMatrix(FSDPExtTestCase):
         raised = [trace for trace in ran if "both raised" in trace]
         documented = [trace for trace in ran if "documented difference" in trace]
         said = [trace for trace in ran if "said late" in trace]
+        as_torch = [trace for trace in ran if "as torch" in trace]
         print(f"order matrix ({self.world_size} rank(s)): {len(ran)} sequences, "
-              f"{len(ran) - len(raised) - len(documented) - len(said)} bit for bit, {len(raised)} raised in both, "
-              f"{len(documented)} documented differences, {len(said)} said the install came late "
+              f"{len(ran) - len(raised) - len(documented) - len(said) - len(as_torch)} bit for bit, "
+              f"{len(raised)} raised in both, {len(documented)} documented differences, {len(said)} said the install "
+              f"came late, {len(as_torch)} installed late and cast nothing (as torch) "
               f"(of {sum('install (late)' in trace for trace in ran)} late installs, "
               f"{sum(trace[0].startswith('container') for trace in ran)} containers)")
         self.assertGreaterEqual(len(ran), self.EXAMPLES // 2)
