@@ -3,7 +3,9 @@ the plugin found on PYTHONPATH against that workaround, on 2 gloo ranks:
 
     PYTHONPATH=<a checkout> torchrun --nproc-per-node 2 tools/order_findings.py
 
-It prints one line per order: "trains bit for bit as the workaround", or what went wrong.
+It prints one line per order: "trains bit for bit as the workaround", or what went wrong. Orders 9 and 10
+(the plugin installed after weights were loaded) cannot train as the workaround: their line says whether the
+plugin said so.
 test/test_orders.py asserts the same orders (and generates many more).
 """
 import os, sys, tempfile, unittest
@@ -11,9 +13,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import torch.distributed as dist
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+import logging, torch, torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 import torch_fsdp_ext
 print("plugin at", torch_fsdp_ext.__file__) if rank == 0 else None
 import test_orders as T
+import test_scope as S
 t = unittest.TestCase()
 
 def pair(): return T.Run(False, rank), T.Run(True, rank)
@@ -76,7 +81,76 @@ def f6():
     changed = [n for n, p in model.named_parameters() if p.dtype != loaded[n]]
     assert not changed, f"refused, yet {len(changed)} parameters were cast (e.g. {changed[0]})"
 
-for name, f in [("1 optimizer-first DCP resume", f1), ("2 full-state-dict set_state_dict", f2), ("3 model.to('cpu') after the upcast", f3), ("4 Adagrad before the first forward", f4), ("5 unfrozen after the first forward", f5), ("6 a group no upcast can fix", f6)]:
+def against_workaround(mine, workaround):
+    if not S.equal(mine, workaround):
+        raise AssertionError(f"differs from the workaround, silently: max |param - workaround's| {S.max_difference(mine, workaround):.1e}")
+
+def f7():  # issue 43: two fully_shard roots under one plain container, set_model_state_dict(container) first
+    source = nn.ModuleDict({"policy": S.fp32_model(1), "value": S.fp32_model(2)}).state_dict()
+    results = []
+    for workaround in (False, True):
+        container = S.policy_and_value(workaround)
+        set_model_state_dict(container, source, options=S.FULL)
+        results.append(S.train(container, list(container.values()), rank))
+    against_workaround(*results)
+
+def f8(load):  # issue 43: fp32 weights into one block of a model whose blocks are uniform bf16, then AdamW
+    results = []
+    for workaround in (False, True):
+        model = S.bf16_model_with_fp32_norm()
+        S.shard_model(model.float() if workaround else model, mp_policy=T.MP)
+        load(model)
+        results.append(S.train(model, [model], rank))
+    against_workaround(*results)
+
+source = S.fp32_model(1)
+block = {k.removeprefix("layers.0."): v for k, v in source.state_dict().items() if k.startswith("layers.0.")}
+torch_fsdp_ext.uninstall()
+sharded_block = S.shard_model(S.fp32_model(1)).layers[0].state_dict()
+torch_fsdp_ext.install()
+
+class Said(logging.Handler):
+    said = 0
+    def emit(self, record): Said.said += S.LATE in record.getMessage()
+logging.getLogger("torch_fsdp_ext").addHandler(Said())
+
+def f9():  # issue 43: fully_shard, fp32 masters loaded (full state dict), then the install, then AdamW
+    torch_fsdp_ext.uninstall()
+    masters = get_model_state_dict(T.shard_model(S.fp32_model(1)), options=S.FULL)
+    model = T.shard_model(T.seed_000_model(0), mp_policy=T.MP)
+    set_model_state_dict(model, masters, options=S.FULL)
+    Said.said = 0
+    torch_fsdp_ext.install()
+    mine = S.train(model, [model], rank)
+    workaround = T.shard_model(T.seed_000_model(0).float(), mp_policy=T.MP)
+    set_model_state_dict(workaround, masters, options=S.FULL)
+    workaround = S.train(workaround, [workaround], rank)
+    said = "; the upcast said the install came late" if Said.said else "; nothing said"
+    if not S.equal(mine, workaround):
+        raise AssertionError(f"differs from the workaround (rounded before the install): max |Δparam| "
+                             f"{S.max_difference(mine, workaround):.1e}{said}")
+
+def f10():  # issue 43: a full resume (model and AdamW) before the install, then the install, then the step
+    torch_fsdp_ext.uninstall()
+    try:
+        trained = T.shard_model(T.seed_000_model(0).float(), mp_policy=T.MP)
+        S.train(trained, [trained], rank, steps=1)
+        model_state, optim_state = get_state_dict(trained, torch.optim.AdamW(trained.parameters()), options=S.FULL)
+        model = T.shard_model(T.seed_000_model(0), mp_policy=T.MP)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=S.FULL)
+    finally:
+        torch_fsdp_ext.install()
+    tokens = T.batch(rank)
+    T.lm_loss(model(tokens), tokens).backward()
+    optimizer.step()
+
+for name, f in [("1 optimizer-first DCP resume", f1), ("2 full-state-dict set_state_dict", f2), ("3 model.to('cpu') after the upcast", f3), ("4 Adagrad before the first forward", f4), ("5 unfrozen after the first forward", f5), ("6 a group no upcast can fix", f6),
+                ("7 two roots under one container, set_model_state_dict(container) before AdamW", f7),
+                ("8a fp32 weights via set_model_state_dict(model.layers[0]) before AdamW", lambda: f8(lambda m: set_model_state_dict(m.layers[0], block, options=S.FULL))),
+                ("8b fp32 weights via model.layers[0].load_state_dict before AdamW", lambda: f8(lambda m: m.layers[0].load_state_dict(sharded_block))),
+                ("9 installed after fully_shard and a full-state-dict load", f9),
+                ("10 installed after a full resume", f10)]:
     try:
         f(); result = "trains bit for bit as the workaround" if f is not f6 else "refused, model as loaded"
     except Exception as e:

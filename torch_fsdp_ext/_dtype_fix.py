@@ -45,6 +45,26 @@ without the plugin:
   lazy init takes them.
 The decision depends only on dtypes and ``requires_grad`` flags, the same on every rank.
 
+Note [Scope of the upcast]. What is decided together is one FSDP root's tree: the
+top-most module with FSDP state (no ``fully_shard``-ed ancestor) and everything it
+shards, as a root's lazy init takes it. Whatever module a moment is given (a plain
+container of several models, a PEFT wrapper, the root, a sub-block), the fix finds the
+roots that own its parameters (``fsdp_roots_of``) and decides each on its own: a
+uniform-bf16 value model next to a mixed policy model stays bf16, and a load into a
+sub-block of a model still to be decided upcasts that whole model first, so fp32
+values loaded into a bf16 block are not rounded. Every moment (optimizer, forward,
+``state_dict()``/``load_state_dict()`` of any submodule, each DCP ``get_*``/``set_*``,
+``upcast_now``) goes through it, so the order of the moments changes nothing.
+
+Note [Installed late]. Loads are seen only once the plugin is installed. A group built
+by ``fully_shard`` before that (its ``FSDPParamGroup.__init__`` ran unwrapped) is marked
+at install; weights loaded into its model before the install went into the loaded
+dtypes, and fp32 values were rounded. The plugin cannot tell whether that happened, and
+cannot undo it: the model's upcast logs one WARNING naming the model and the fix
+(install before ``fully_shard`` and loading), and the stale-optimizer-state error at the
+step (``_optimizer_state``) says that the install came late rather than suggesting an order
+the user already followed.
+
 Note [Unfrozen later]. A frozen floating parameter narrower than the model's widest
 trainable dtype stays as loaded (frozen parameters are never cast). If it is made
 trainable later, it becomes a master weight of the widest dtype right before its
@@ -79,6 +99,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from . import _compat, _compute_dtype, _mixed_groups, _optimizer_state
 from ._dtype_plan import (
@@ -89,11 +110,12 @@ from ._dtype_plan import (
     format_dtype,
     plan_group_dtypes,
 )
-from ._dtype_strategies import make_strategy, upcast_sharded_param
+from ._dtype_strategies import SHARDED_BEFORE_INSTALL_ATTR, make_strategy, upcast_sharded_param
 from ._patching import PatchSet, wraps
 from ._rank_consistency import RankConsistency
 
 _DECISION_ATTR = "_torch_fsdp_ext_dtype_decision"
+_BUILT_ATTR = "_torch_fsdp_ext_built_with_plugin"  # the group was built while the fix was installed
 
 logger = logging.getLogger("torch_fsdp_ext")
 
@@ -198,20 +220,31 @@ class DtypeFix:
         for state in _compat.fsdp_states():
             if _compat.is_root_flag(state) is None:  # its lazy init has not run
                 for group in _compat.param_groups_of(state):
+                    if _BUILT_ATTR not in group.__dict__:  # Note [Installed late]
+                        group.__dict__.setdefault(SHARDED_BEFORE_INSTALL_ATTR, True)
                     self.hook_state_dicts(group, state._modules)
 
     # -- the upcast moment (Note [Upcast moment]) -------------------------------------
 
     def hook_state_dicts(self, group: Any, modules: tuple) -> None:
-        """Public module hooks, removed at uninstall(); a model's first hook to run decides it."""
+        """Public module hooks, removed at uninstall(); a model's first hook to run decides it.
+
+        Note: also on the modules that hold the group's parameters, so that ``load_state_dict()``
+        of any submodule (a block's attention, not itself sharded) upcasts the model before it
+        copies a value; those hooks act only while the model is undecided.
+        """
         if group in self._hooked:
             return
         self._hooked.add(group)
         self._undecided.add(group)
-        hook = functools.partial(_upcast_before_state_dict, weakref.ref(self))
+        fix_ref = weakref.ref(self)
+        hook = functools.partial(_upcast_before_state_dict, fix_ref)
         for module in modules:
             self._add_module_hook(module, module.register_state_dict_pre_hook(hook))
             self._add_module_hook(module, module.register_load_state_dict_pre_hook(hook))
+        undecided_hook = functools.partial(_upcast_before_load_into, fix_ref, weakref.ref(group))
+        for module in _param_holders(group, modules):
+            self._add_module_hook(module, module.register_load_state_dict_pre_hook(undecided_hook))
 
     def upcast_models_holding(self, params: list) -> None:
         """Note [Optimizers see the upcast]: upcast the undecided models that hold any of ``params``."""
@@ -222,8 +255,9 @@ class DtypeFix:
             group for group in list(self._undecided)
             if any(id(_compat.current_module_param(p)) in ids for p in group.fsdp_params)
         ]
-        for root in _outermost_roots_of(groups):
-            self.upcast_model(root)
+        if groups:
+            for root in fsdp_roots_of([_compat.group_modules(group)[0] for group in groups]):
+                self.upcast_root(root)
 
     def upcast_now(self, root: torch.nn.Module) -> list[str]:
         """``torch_fsdp_ext.upcast_now``: the model's upcast moment, now."""
@@ -235,10 +269,24 @@ class DtypeFix:
                 )
         return self.upcast_model(root)
 
-    def upcast_model(self, root: torch.nn.Module) -> list[str]:
-        """The ``upcast`` decision for the model under ``root``, made once for all its groups.
+    def upcast_model(self, module: torch.nn.Module) -> list[str]:
+        """Note [Scope of the upcast]: the ``upcast`` decision for each FSDP root that owns parameters
+        of ``module`` (a container of models, the root, a sub-block), per root tree.
 
-        Returns the names of the parameters it upcast now.
+        Returns the names of the parameters it upcast now (FQNs under ``module`` where it contains them).
+        """
+        roots = fsdp_roots_of([module])
+        inside = [root for root in roots if root is not module and _contains(module, root)]
+        names = _param_names(module) if inside else None
+        upcast = []
+        for root in roots:
+            upcast.extend(self.upcast_root(root, names if any(root is r for r in inside) else None))
+        return upcast
+
+    def upcast_root(self, root: torch.nn.Module, names: dict[int, str] | None = None) -> list[str]:
+        """The ``upcast`` decision for the model under ``root`` (an FSDP root), made once for all its groups.
+
+        Returns the names of the parameters it upcast now (``names``: their FQNs; default: under ``root``).
         """
         groups = []
         for state in _compat.fsdp_states_under(root):
@@ -252,7 +300,7 @@ class DtypeFix:
                     groups.append(group)
         if not groups:
             return []
-        names = _param_names(root)
+        names = names or _param_names(root)
         entries = []
         for group in groups:
             group_entries = _model_param_entries(group, names)
@@ -267,6 +315,8 @@ class DtypeFix:
             for group, group_upcast in self.strategy_of(groups[0]).upcast_model(entries, _compat.user_class_name(root)):
                 group.__dict__[_DECISION_ATTR].upcast = True
                 upcast.extend(group_upcast)
+            if upcast:
+                _say_installed_late(root, [group for group, _ in entries])
         self._watch_frozen(entries)
         return upcast
 
@@ -380,28 +430,70 @@ class DtypeFix:
                 _compute_dtype.after_sharding(group, overrides)
                 if overrides.compute_dtypes and not _compute_dtype.TORCH_HAS_OVERRIDE:
                     _keeper.keep(group)  # its override must outlive uninstall(), as torch 2.15's does
+            group.__dict__[_BUILT_ATTR] = True
             fix.hook_state_dicts(group, modules)
 
         return __init__
 
 
-def _outermost_roots_of(groups: list) -> list[torch.nn.Module]:
-    """The root modules of the FSDP models that hold ``groups``: modules of live FSDP states that
-    no other state's module contains (what a root's lazy init would make its own)."""
-    if not groups:
-        return []
+def fsdp_roots_of(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Note [Scope of the upcast]: the FSDP roots that own parameters of ``modules``: each top-most module
+    with FSDP state (no ``fully_shard``-ed ancestor) whose tree holds one of ``modules`` or lies inside one."""
     candidates = [m for m in map(_compat.root_module_of, _compat.fsdp_states()) if m is not None]
-    subtrees = {id(m): {id(sub) for sub in m.modules()} for m in candidates}
-    outermost = [
-        m for m in candidates if not any(o is not m and id(m) in subtrees[id(o)] for o in candidates)
-    ]
+    trees = [(m, {id(sub) for sub in m.modules()}) for m in candidates]
+    outermost = [(m, tree) for m, tree in trees if not any(o is not m and id(m) in t for o, t in trees)]
     roots = []
-    for group in groups:
-        first = _compat.group_modules(group)[0]
-        for root in outermost:
-            if id(first) in subtrees[id(root)] and not any(root is r for r in roots):
+    for module in modules:
+        below = None
+        found = False
+        for root, tree in outermost:
+            if id(module) not in tree:
+                if below is None:
+                    below = {id(sub) for sub in module.modules()}
+                if id(root) not in below:
+                    continue
+            found = True
+            if not any(root is r for r in roots):
                 roots.append(root)
+        if not found and not any(module is r for r in roots):
+            roots.append(module)  # a module FSDP lists with others (fully_shard([a, b])): decided on its own tree
     return roots
+
+
+def _contains(module: torch.nn.Module, inner: torch.nn.Module) -> bool:
+    return any(sub is inner for sub in module.modules())
+
+
+def _param_holders(group: Any, modules: tuple) -> list[torch.nn.Module]:
+    """The modules that hold the group's parameters as attributes, other than ``modules``."""
+    holders, seen = [], {id(m) for m in modules}
+    for fsdp_param in group.fsdp_params:
+        module = fsdp_param._module_info.module
+        if id(module) not in seen:
+            seen.add(id(module))
+            holders.append(module)
+    return holders
+
+
+def _say_installed_late(root: torch.nn.Module, groups: list) -> None:
+    """Note [Installed late]: the upcast of a model sharded before the plugin was installed says so, once."""
+    late = [group for group in groups if group.__dict__.get(SHARDED_BEFORE_INSTALL_ATTR) is True]
+    if not late:
+        return
+    for group in groups:
+        if SHARDED_BEFORE_INSTALL_ATTR in group.__dict__:
+            group.__dict__[SHARDED_BEFORE_INSTALL_ATTR] = "said"
+    pg = _compat.group_process_group(late[0])
+    if dist.is_available() and dist.is_initialized() and dist.get_rank(pg) != 0:
+        return
+    logger.warning(
+        "torch_fsdp_ext: %s was sharded (fully_shard) before torch_fsdp_ext was installed, and is upcast to fp32 "
+        "master weights only now. Weights loaded into it in between (a state dict, a DCP load) went into its "
+        "parameters as loaded, so fp32 values were rounded to bfloat16 first, and training differs from "
+        "model.float() before fully_shard. Install the plugin before fully_shard and before loading weights "
+        "(import torch_fsdp_ext first), or load after an optimizer took the model's parameters.",
+        _compat.user_class_name(root),
+    )
 
 
 def _widest_floating(dtypes: list[torch.dtype]) -> torch.dtype | None:
@@ -603,9 +695,26 @@ class GroupKeeper:
 
 
 def _upcast_before_state_dict(fix_ref: weakref.ref, module: torch.nn.Module, *args: Any) -> None:
-    """``state_dict()`` / ``load_state_dict()`` pre-hook of an FSDP module: Note [Upcast moment]."""
+    """``state_dict()`` / ``load_state_dict()`` pre-hook of an FSDP module: Note [Upcast moment].
+
+    Note: once its model is decided, only the module's own tree is looked at again (a dtype changed
+    since): a ``load_state_dict(assign=True)`` through the root runs this hook of each block after the
+    blocks before it took their new tensors, which must stay as assigned until the next moment of the model.
+    """
     fix = fix_ref()
-    if fix is not None and fix.active and _compat.is_root_flag(_compat.fsdp_state_of(module)) is None:
+    state = _compat.fsdp_state_of(module)
+    if fix is None or not fix.active or _compat.is_root_flag(state) is not None:
+        return
+    if any(group in fix._undecided for group in _compat.param_groups_of(state)):
+        fix.upcast_model(module)  # Note [Scope of the upcast]: its whole model
+    else:
+        fix.upcast_root(module)
+
+
+def _upcast_before_load_into(fix_ref: weakref.ref, group_ref: weakref.ref, module: torch.nn.Module, *args: Any) -> None:
+    """``load_state_dict()`` pre-hook of a module holding a group's parameters, while its model is undecided."""
+    fix, group = fix_ref(), group_ref()
+    if fix is not None and fix.active and group is not None and group in fix._undecided:
         fix.upcast_model(module)
 
 

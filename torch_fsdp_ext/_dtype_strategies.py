@@ -114,6 +114,10 @@ def modules_computing_in(groups: list[tuple[Any, list[ParamEntry]]], dtype: torc
 
 UPCAST_COST: UpcastCost = globals().get("UPCAST_COST") or UpcastCost()
 
+# Note [Installed late] in ``_dtype_fix``: on a param group that ``fully_shard`` built before the fix
+# was installed (True until its model's upcast said so, then "said").
+SHARDED_BEFORE_INSTALL_ATTR = "_torch_fsdp_ext_sharded_before_install"
+
 
 class UpcastStrategy:
     """fp32 master weights: the narrower trainable floating params of a model are upcast to its widest dtype.
@@ -227,7 +231,9 @@ def upcast_sharded_param(group: Any, fsdp_param: Any, dtype: Any, state_dtype_be
     change_sharded_param_dtype(fsdp_param, dtype)
     if _compute_dtype.compute_dtype_of(fsdp_param) is None and _compat.param_mp_policy(group, fsdp_param).param_dtype is None:
         _compute_dtype.compute_in(group, fsdp_param, loaded)
-    _optimizer_state.remember_upcast(fsdp_param, state_dtype_before or loaded)
+    _optimizer_state.remember_upcast(
+        fsdp_param, state_dtype_before or loaded, sharded_before_install=SHARDED_BEFORE_INSTALL_ATTR in group.__dict__
+    )
 
 
 class PreserveStrategy:

@@ -47,8 +47,9 @@ from ._dtype_plan import MixedParamDtypeError, format_dtype
 from ._patching import PatchSet, wraps
 
 _lock = threading.Lock()
-# id(sharded nn.Parameter) -> (a weak reference to its FSDPParam, the dtype it had before the upcast)
-_upcast: dict[int, tuple[weakref.ref, torch.dtype]] = {}
+# id(sharded nn.Parameter) -> (a weak reference to its FSDPParam, the dtype it had before the upcast,
+# whether its model was sharded before the plugin was installed)
+_upcast: dict[int, tuple[weakref.ref, torch.dtype, bool]] = {}
 _hook_handle: Any = None
 _awaiting_check = False  # _upcast is not empty: the hook's fast path reads only this
 # optimizer -> (its param groups as seen, the ids of its parameters)
@@ -69,12 +70,14 @@ def wrap_add_param_group(patches: PatchSet, upcast_models_holding: Callable[[lis
     patches.wrap(torch.optim.Optimizer, "add_param_group", make_wrapper)
 
 
-def remember_upcast(fsdp_param: Any, dtype_before: torch.dtype) -> None:
+def remember_upcast(fsdp_param: Any, dtype_before: torch.dtype, sharded_before_install: bool = False) -> None:
     """Check the parameter's optimizer state at the next step of each optimizer that holds it."""
     global _hook_handle, _awaiting_check
     key = id(fsdp_param.sharded_param)
     with _lock:
-        _upcast[key] = (weakref.ref(fsdp_param, lambda _, key=key: _forget(key)), dtype_before)
+        _upcast[key] = (
+            weakref.ref(fsdp_param, lambda _, key=key: _forget(key)), dtype_before, sharded_before_install
+        )
         _awaiting_check = True
         if _hook_handle is None:
             _hook_handle = register_optimizer_step_pre_hook(_check_before_step)
@@ -125,8 +128,8 @@ def _check_pending(optimizer: torch.optim.Optimizer) -> None:
     global _awaiting_check
     with _lock:
         held = _held_params(optimizer)
-        stale, checked = [], []
-        for key, (fsdp_param_ref, dtype_before) in list(_upcast.items()):
+        stale, checked, late = [], [], False
+        for key, (fsdp_param_ref, dtype_before, sharded_before_install) in list(_upcast.items()):
             param = held.get(key)
             fsdp_param = fsdp_param_ref()
             if param is None or fsdp_param is None or fsdp_param.sharded_param is not param:
@@ -135,6 +138,7 @@ def _check_pending(optimizer: torch.optim.Optimizer) -> None:
             keys = _stale_state(optimizer, param, dtype_before)
             if keys:
                 stale.append((_compat.fsdp_param_name(fsdp_param, 0), dtype_before, param.dtype, keys))
+                late = late or sharded_before_install
         if not stale:
             for key in checked:
                 _upcast.pop(key, None)  # its state is created in its new dtype from now on
@@ -142,17 +146,34 @@ def _check_pending(optimizer: torch.optim.Optimizer) -> None:
                 _awaiting_check = False
                 _held.clear()
             return
-    lines = [
-        "torch_fsdp_ext: this optimizer holds state made before the plugin upcast these parameters to fp32 "
-        "master weights; optimizer state made or loaded before the upcast is in their old dtype (loaded state "
-        "was rounded to it):"
-    ]
+    if late:
+        # Note [Installed late] in _dtype_fix: the optimizer and its state predate the plugin itself.
+        lines = [
+            "torch_fsdp_ext was installed after this model was sharded (fully_shard ran before "
+            "`import torch_fsdp_ext`), and this optimizer made or loaded its state before the plugin upcast these "
+            "parameters to fp32 master weights: that state is in their old dtype (loaded state, and weights loaded "
+            "into the model then, were rounded to it):"
+        ]
+    else:
+        lines = [
+            "torch_fsdp_ext: this optimizer holds state made before the plugin upcast these parameters to fp32 "
+            "master weights; optimizer state made or loaded before the upcast is in their old dtype (loaded state "
+            "was rounded to it):"
+        ]
     for name, before, after, keys in stale:
         lines.append(f"  {name}: {format_dtype(before)} -> {format_dtype(after)}, state {', '.join(keys)} still "
                      f"{format_dtype(before)}")
-    lines.append(
-        "Fix: install the plugin before building the optimizer, and build it once the model holds its weights "
-        "(the plugin then upcasts the model first), then load its state; or call torch_fsdp_ext.upcast_now(model) "
-        "before building it. The hand workaround, model.float() before fully_shard, needs no plugin."
-    )
+    if late:
+        lines.append(
+            "Fix: move `import torch_fsdp_ext` before fully_shard and before loading the model's weights and the "
+            "optimizer's state (or launch with TORCH_FSDP_EXT_AUTOLOAD=1), then resume again. The hand workaround, "
+            "model.float() before fully_shard, needs no plugin."
+        )
+    else:
+        lines.append(
+            "Fix: install the plugin before building the optimizer, and build it once the model holds its weights "
+            "(the plugin then upcasts the model first), then load its state; or call "
+            "torch_fsdp_ext.upcast_now(model) before building it. The hand workaround, model.float() before "
+            "fully_shard, needs no plugin."
+        )
     raise MixedParamDtypeError("\n".join(lines))
