@@ -576,12 +576,14 @@ def torch_own(fn: Any, name: str) -> Any:
 COMPOSED_FOREIGN = frozenset({("fsdp_param_group_module", "foreach_reduce")})
 
 
-def foreign_patches() -> list[str]:
-    """``owner.method is module.qualname`` for each function the plugin wraps that another library replaced,
+def foreign_patches(fix: str) -> list[str]:
+    """``owner.method is module.qualname`` for each function ``fix`` wraps that another library replaced,
     except those it composes with exactly (``COMPOSED_FOREIGN``)."""
     internals = load_internals()
     found = []
     for owner, method in WRAPPED_METHODS:
+        if owner not in FIX_SYMBOLS[fix]:
+            continue
         obj = internals.symbols.get(owner)
         fn = getattr(obj, method, None) if obj is not None else None
         if fn is not None and (owner, method) not in COMPOSED_FOREIGN and function_origin(fn) == "foreign":

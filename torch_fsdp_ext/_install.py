@@ -133,7 +133,8 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = 
             _warn_unsupported(internals)
             _note_dtype_fix(internals)
             return []
-        _warn_foreign_patches()  # before this install's own wrappers cover what it found
+        # Read before this install's own wrappers cover what it found; said only for the fixes it installs.
+        foreign = {name: _compat.foreign_patches(name) for name in names if name not in _active}
         for name in names:
             if name in _active:
                 continue
@@ -168,12 +169,13 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = 
         if "dtype" in _active:
             _active["dtype"][0].decide_existing_groups()
         _note_dtype_fix(internals)
+        _warn_foreign_patches([f for name, found in foreign.items() if name in _active for f in found])
         return [n for n in FIX_NAMES if n in _active]
 
 
-def _warn_foreign_patches() -> None:
+def _warn_foreign_patches(found: list[str]) -> None:
     """Note [Foreign patches] in ``_compat``: a function another library replaced is named once, at install."""
-    foreign = [f for f in _compat.foreign_patches() if f not in _warned_foreign]
+    foreign = [f for f in dict.fromkeys(found) if f not in _warned_foreign]
     if foreign:
         _warned_foreign.update(foreign)
         warnings.warn(

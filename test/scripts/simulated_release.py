@@ -50,6 +50,13 @@ def _functions_of(namespace: dict):
             function = getattr(function, "__wrapped__", None)
 
 
+def released_in(module: types.ModuleType, function: types.FunctionType) -> types.FunctionType:
+    """``function`` as code of ``module``'s file: the plugin tells torch's own functions from other
+    libraries' wrappers by where their code lives, and a release's new code lives in torch."""
+    function.__code__ = function.__code__.replace(co_filename=module.__file__)
+    return function
+
+
 def rename_attribute(modules: list, old: str, new: str) -> None:
     """Every function of ``modules`` (and of their classes) reads and writes ``.old`` as ``.new``."""
     for module in modules:
@@ -78,7 +85,7 @@ def recomputation_hook_takes_frame() -> None:
     def __init__(self, target_frame, gid):
         original(self, lambda: target_frame, gid)
 
-    checkpoint_module._recomputation_hook.__init__ = __init__
+    checkpoint_module._recomputation_hook.__init__ = released_in(checkpoint_module, __init__)
 
 
 def iter_forward_root_renamed() -> None:
@@ -131,7 +138,9 @@ def uniform_check_in_lazy_init() -> None:
             raise AssertionError(f"FSDP expects uniform original parameter dtype but got {dtypes}")
         return lazy_init(self, *args, **kwargs)
 
-    group_class._init_mp_dtypes, group_class.lazy_init = moved_init_mp_dtypes, moved_lazy_init
+    module = sys.modules[group_class.__module__]
+    group_class._init_mp_dtypes = released_in(module, moved_init_mp_dtypes)
+    group_class.lazy_init = released_in(module, moved_lazy_init)
 
 
 def uniform_check_removed() -> None:
@@ -157,7 +166,7 @@ def group_init_args_hidden() -> None:
     def __init__(self, *args, **kwargs) -> None:
         init(self, *args, **kwargs)
 
-    group_class.__init__ = __init__
+    group_class.__init__ = released_in(sys.modules[group_class.__module__], __init__)
 
 
 SIMULATIONS = {
