@@ -135,7 +135,7 @@ recompute  partly  yes     no failure → runs                     replays root 
                         """
                         # Sabotage the dtype fix in every process the doctor starts.
                         from torch_fsdp_ext import _dtype_fix as d
-                        d.DtypeFix.upcast_model = lambda self, root: None
+                        d.DtypeFix.upcast_root = lambda self, root, names=None: []
                         d._prepare = lambda group, strategy: False
                         """
                     )
