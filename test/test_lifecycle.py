@@ -100,7 +100,7 @@ class TestLifecycle(FSDPExtTestCase):
 
     def test_optimizer_state_older_than_an_upcast_is_named_before_the_step(self):
         with plugin(True):
-            # A group upcast at install() while its optimizer already holds bf16 state ...
+            # A group sharded before install() whose optimizer already holds bf16 state ...
             torch_fsdp_ext.uninstall()
             early = shard_model(seed_000_model(), mp_policy=MP)
             early_optimizer = torch.optim.AdamW(early.parameters(), lr=1e-2)
@@ -122,12 +122,12 @@ class TestLifecycle(FSDPExtTestCase):
         self.assertExpectedInline(
             "\n".join([lines[0], *[line for line in lines if "layers.1.w" in line], lines[-1]]),
             """\
-torch_fsdp_ext: this optimizer holds state made before the plugin upcast these parameters to fp32 master weights; optimizer state made or loaded before the upcast is in their old dtype (loaded state was rounded to it):
+torch_fsdp_ext was installed after this model was sharded (fully_shard ran before `import torch_fsdp_ext`), and this optimizer made or loaded its state before the plugin upcast these parameters to fp32 master weights: that state is in their old dtype (loaded state, and weights loaded into the model then, were rounded to it):
   layers.1.wq.weight: bfloat16 -> float32, state exp_avg, exp_avg_sq still bfloat16
   layers.1.wo.weight: bfloat16 -> float32, state exp_avg, exp_avg_sq still bfloat16
   layers.1.w1.weight: bfloat16 -> float32, state exp_avg, exp_avg_sq still bfloat16
   layers.1.w2.weight: bfloat16 -> float32, state exp_avg, exp_avg_sq still bfloat16
-Fix: install the plugin before building the optimizer, and build it once the model holds its weights (the plugin then upcasts the model first), then load its state; or call torch_fsdp_ext.upcast_now(model) before building it. The hand workaround, model.float() before fully_shard, needs no plugin.""",
+Fix: move `import torch_fsdp_ext` before fully_shard and before loading the model's weights and the optimizer's state (or launch with TORCH_FSDP_EXT_AUTOLOAD=1), then resume again. The hand workaround, model.float() before fully_shard, needs no plugin.""",
         )
         # Without the check, the step fails inside AdamW on the stale state.
         from torch_fsdp_ext import _optimizer_state
