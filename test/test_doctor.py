@@ -29,6 +29,9 @@ class HideNumpy:
     def invalidate_caches():
         PathFinder.invalidate_caches()
 
+    # importlib.metadata asks the finders for installed distributions (entry points)
+    find_distributions = PathFinder.find_distributions
+
 
 sys.meta_path[:] = [HideNumpy if finder is PathFinder else finder for finder in sys.meta_path]
 """
