@@ -12,6 +12,7 @@ import unittest
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 from common import HAS_DTYPE_BUG, ROOT
+from torch_fsdp_ext import _compat
 
 HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
 
@@ -25,6 +26,18 @@ def torchtune_missing() -> str | None:
         import torchtune.training  # noqa: F401
     except Exception as error:  # its import fails on an incompatible torchao with various errors
         return f"torchtune does not import here: {type(error).__name__}: {error}"
+    return None
+
+
+def nemo_automodel_missing() -> str | None:
+    """Why the NeMo Automodel tool cannot run here, or None. Note: NeMo Automodel's default install pulls CUDA
+    packages; without its dependencies it imports on a CPU torch, and the tool needs nothing else from them."""
+    if importlib.util.find_spec("nemo_automodel") is None:
+        return "nemo_automodel is not installed (pip install --no-deps nemo_automodel==0.7.0)"
+    try:
+        import nemo_automodel.components.distributed.model_parallelizer  # noqa: F401
+    except Exception as error:
+        return f"nemo_automodel does not import here: {type(error).__name__}: {error}"
     return None
 
 
@@ -78,6 +91,37 @@ class TestTorchtuneTool(TestCase):
         self.assertEqual(lines[5], f"{lora}, plugin: RuntimeError: expected m1 and m2 to have the same dtype")
         self.assertRegex(lines[6], rf"^{lora}, plugin with TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE=lora_a,lora_b: trains, "
                                    r"step 1 loss on every rank bit for bit with the bf16 base unsharded")
+
+
+@unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes: there is nothing for the plugin to fix")
+class TestNemoAutomodelTool(TestCase):
+    def test_parallelizers(self):
+        reason = nemo_automodel_missing()
+        if reason:
+            self.skipTest(reason)
+        result = run_tool("tools/integrations/nemo_automodel_parallelize.py")
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        lines = result_lines(result.stdout, "nemo-automodel")
+        self.assertEqual(len(lines), 6, result.stdout)
+        self.assertEqual(lines[0], "nemo-automodel: without plugin: AssertionError: FSDP expects uniform original parameter dtype")
+        exact = r": bit for bit \(losses ([0-9., ]+); 21/21 params\)$"
+        self.assertRegex(lines[1], rf"^nemo-automodel: plugin vs model\.float\(\){exact}")
+        self.assertRegex(
+            lines[2], rf"^nemo-automodel: preserve \(5 FSDP units\): plugin vs fully_shard_by_dtype \(9 FSDP units\){exact}")
+        patched = "nemo-automodel: NeMo's foreach_reduce patch before the first forward"
+        self.assertRegex(lines[3], rf"^{patched}, upcast: plugin vs model\.float\(\){exact}")
+        self.assertRegex(lines[4], rf"^{patched}, preserve: plugin vs fully_shard_by_dtype{exact}")
+        # preserve keeps bf16 weights: its later steps differ from upcast's fp32 masters.
+        self.assertNotEqual(lines[1].split("losses ")[1], lines[2].split("losses ")[1])
+        late = "nemo-automodel: NeMo's foreach_reduce patch after the first step, preserve"
+        if _compat.probe_reduce_casts_grads_per_param():  # the plugin does not wrap the reduce: nothing to drop
+            self.assertRegex(lines[5], rf"^{late}: plugin vs fully_shard_by_dtype{exact}")
+            return
+        self.assertIn(f"{late}: RuntimeError: torch_fsdp_ext: ", lines[5])
+        self.assertIn(".foreach_reduce is nemo_automodel.components.distributed.fsdp_patches."
+                      "patch_fsdp_uniform_reduce_dtype.<locals>.foreach_reduce_uniform_dtype, another library's patch, "
+                      "put in place after the plugin's wrapper, which it dropped", lines[5])
+        self.assertIn("torch_fsdp_ext refuses", lines[5])
 
 
 if __name__ == "__main__":
