@@ -38,6 +38,9 @@ def nemo_automodel_missing() -> str | None:
         import nemo_automodel.components.distributed.model_parallelizer  # noqa: F401
     except Exception as error:
         return f"nemo_automodel does not import here: {type(error).__name__}: {error}"
+    if not hasattr(_compat.load_internals().FSDPParam, "to_accumulated_grad_if_needed"):
+        return ("nemo_automodel 0.7.0 does not run on this torch: its dense parallelizer patches "
+                "FSDPParam.to_accumulated_grad_if_needed, which this torch does not have")
     return None
 
 
@@ -114,9 +117,6 @@ class TestNemoAutomodelTool(TestCase):
         # preserve keeps bf16 weights: its later steps differ from upcast's fp32 masters.
         self.assertNotEqual(lines[1].split("losses ")[1], lines[2].split("losses ")[1])
         late = "nemo-automodel: NeMo's foreach_reduce patch after the first step, preserve"
-        if _compat.probe_reduce_casts_grads_per_param():  # the plugin does not wrap the reduce: nothing to drop
-            self.assertRegex(lines[5], rf"^{late}: plugin vs fully_shard_by_dtype{exact}")
-            return
         self.assertIn(f"{late}: RuntimeError: torch_fsdp_ext: ", lines[5])
         self.assertIn(".foreach_reduce is nemo_automodel.components.distributed.fsdp_patches."
                       "patch_fsdp_uniform_reduce_dtype.<locals>.foreach_reduce_uniform_dtype, another library's patch, "
