@@ -165,7 +165,8 @@ def main() -> int:
         print(line)
     refusal = results["late"].get("refused", "")
     refused = "torch_fsdp_ext refuses" in refusal
-    print(f"{LABEL}: NeMo's foreach_reduce patch after the first step, preserve: {refusal if refused else 'NOT REFUSED'}")
+    print(f"{LABEL}: NeMo's foreach_reduce patch after the first step, preserve: "
+          f"{refusal if refused else 'NOT REFUSED'}")
     return 0 if failed and all(exact for _, exact in lines) and refused else 1
 
 
