@@ -324,6 +324,36 @@ torch_fsdp_ext: 2 trainable parameter(s) of Sequential are now float32 master we
         self.assertIn("dtype: so far this process upcast 4 parameter(s), adding 40 bytes of fp32 master weights on this rank.", report)
 
     @plugin_specific
+    def test_groups_are_named_by_their_module_before_lazy_init(self):
+        """An optimizer upcasts before the root's lazy init, where FSDP names its groups: the plugin names them."""
+
+        def blocks(float8: bool) -> nn.Module:
+            model = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4, bias=False).to(torch.bfloat16), RMSNorm(4))
+                                    for _ in range(2)))
+            for block in model if float8 else ():
+                block[1].register_parameter("scale8", nn.Parameter(torch.zeros(4, dtype=torch.float8_e4m3fn)))
+            for block in model:
+                fully_shard(block, mp_policy=MP)
+            return fully_shard(model, mp_policy=MP)
+
+        with plugin(True), self.assertLogs("torch_fsdp_ext", level=logging.INFO) as logs:
+            torch.optim.SGD(blocks(float8=False).parameters(), lr=0.1)
+        info = [r.getMessage() for r in logs.records if r.levelno == logging.INFO]
+        self.assertEqual([message.split(" to float32")[0] for message in info], [
+            "torch_fsdp_ext: upcast 1 trainable parameter(s) of FSDP2 group '0' of Sequential",
+            "torch_fsdp_ext: upcast 1 trainable parameter(s) of FSDP2 group '1' of Sequential",
+        ])
+        if not hasattr(torch, "float8_e4m3fn"):
+            return
+        with plugin(True), self.assertRaises(MixedParamDtypeError) as caught:
+            torch.optim.SGD(blocks(float8=True).parameters(), lr=0.1)
+        headers = [line for line in str(caught.exception).splitlines() if "FSDP2 param group" in line]
+        self.assertEqual([header.split(" needs")[0] for header in headers], [
+            "torch_fsdp_ext: FSDP2 param group '0' of Sequential",
+            "torch_fsdp_ext: FSDP2 param group '1' of Sequential",
+        ])
+
+    @plugin_specific
     def test_releases_whose_check_counts_frozen_params(self):
         """Simulates torch 2.5's check (frozen params counted) to test the trainable-only path."""
         with plugin(True):

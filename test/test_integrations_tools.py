@@ -44,6 +44,28 @@ def nemo_automodel_missing() -> str | None:
     return None
 
 
+def float8_training_missing() -> str | None:
+    """Why torchao's float8 training cannot run on this machine's CPU, or None. Note: probed, not read from a
+    version: the tool needs torchao's float8 API and a float8 ``torch._scaled_mm`` on CPU."""
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install -e '.[test]' installs it)"
+    import torch
+
+    if not hasattr(torch, "float8_e4m3fn"):
+        return "this torch has no float8 dtypes"
+    ones = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    scale = torch.tensor(1.0)
+    try:
+        torch._scaled_mm(ones, ones.t(), scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16)
+    except Exception as error:  # the kernel's absence shows as various errors
+        return f"this torch has no float8 torch._scaled_mm on CPU: {type(error).__name__}: {error}"
+    try:
+        from torchao.float8 import convert_to_float8_training  # noqa: F401
+    except Exception as error:  # an incompatible torchao fails to import with various errors
+        return f"torchao.float8 does not import here: {type(error).__name__}: {error}"
+    return None
+
+
 def run_tool(path: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     return subprocess.run([sys.executable, path], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
@@ -123,6 +145,43 @@ class TestNemoAutomodelTool(TestCase):
                       "patch_fsdp_uniform_reduce_dtype.<locals>.foreach_reduce_uniform_dtype, another library's patch, "
                       "put in place after the plugin's wrapper, which it dropped", lines[5])
         self.assertIn("torch_fsdp_ext refuses", lines[5])
+
+
+@unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes: there is nothing for the plugin to fix")
+class TestTorchaoFloat8Tool(TestCase):
+    def test_float8_training(self):
+        reason = float8_training_missing()
+        if reason:
+            self.skipTest(reason)
+        result = run_tool("tools/integrations/torchao_float8.py")
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        lines = result_lines(result.stdout, "torchao-float8")
+        label, subclass = "torchao-float8", "WeightWithDynamicFloat8CastTensor"
+        for line, config in zip(lines[:2], ("all-gather off", "float8 all-gather")):
+            self.assertEqual(line, f"{label}: {config}: without plugin: AssertionError: FSDP expects uniform original "
+                                   "parameter dtype")
+        self.assertRegex(lines[2], rf"^{label}: all-gather off: plugin vs model\.float\(\): bit for bit "
+                                   r"\(losses [0-9., ]+; 15/15 params\)$")
+        self.assertEqual(lines[3], f"{label}: float8 all-gather: model.float(): 8/8 float8 weights' local tensors "
+                                   f"{subclass}, all-gathered by torchao: torch.float8_e4m3fn")
+        self.assertRegex(lines[4], rf"^{label}: float8 all-gather: plugin: MixedParamDtypeError: torch_fsdp_ext: FSDP2 "
+                                   r"param group 'layers\.0' of TinyLlama needs one dtype for its trainable parameters")
+        self.assertEqual(lines[5], f"{label}: float8 all-gather: plugin: 8 weights named 'must not be cast: tensor "
+                                   "subclass with fsdp_pre_all_gather', fix named: model.float() before "
+                                   "convert_to_float8_training and fully_shard; parameters cast: none; 8/8 weights "
+                                   f"still {subclass}")
+        self.assertRegex(lines[6], rf"^{label}: float8 all-gather, model\.float\(\): plugin vs model\.float\(\) "
+                                   r"without it: bit for bit \(losses [0-9., ]+; 15/15 params\); 8/8 float8 weights' "
+                                   rf"local tensors {subclass}, all-gathered by torchao: torch\.float8_e4m3fn$")
+        self.assertRegex(lines[7], rf"^{label}: all-gather off: preserve: trains with 10 bf16 masters, losses ")
+        self.assertRegex(lines[8], rf"^{label}: float8 all-gather: preserve: MixedParamDtypeError: ")
+        # Both runs start from the same weights: the same first loss; preserve's bf16 masters then drift.
+        off = lines[2].split("losses ")[1].split(";")[0].split(", ")
+        preserve, reference = (part.split(", ")
+                               for part in lines[7].split("losses ")[1].rstrip(")").split(" (model.float(): "))
+        self.assertEqual(reference, off)
+        self.assertEqual(preserve[0], off[0])
+        self.assertNotEqual(preserve, off)
 
 
 if __name__ == "__main__":

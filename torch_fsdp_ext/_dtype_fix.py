@@ -312,7 +312,8 @@ class DtypeFix:
         already = any(group.__dict__[_DECISION_ATTR].upcast for group in groups)
         upcast = []
         if already or any(plan_group_dtypes(group_entries).is_mixed for _, group_entries in entries):
-            for group, group_upcast in self.strategy_of(groups[0]).upcast_model(entries, _compat.user_class_name(root)):
+            strategy = self.strategy_of(groups[0])
+            for group, group_upcast in strategy.upcast_model(entries, _compat.user_class_name(root), group_fqns(root)):
                 group.__dict__[_DECISION_ATTR].upcast = True
                 upcast.extend(group_upcast)
             if upcast:
@@ -542,6 +543,21 @@ def _prepare(group: Any, strategy: Any) -> bool:
     return strategy.at_lazy_init(group, plan, repr(_compat.group_name(group)))
 
 
+def group_fqns(root: torch.nn.Module) -> Callable[[Any], str]:
+    """A param group's name: the FQN of its module under ``root``, ``'<root>'`` for the root's own.
+
+    Note: FSDP names its groups (``_module_fqn``) only in the root's lazy init; a model's upcast
+    moment (an optimizer, a state dict) comes earlier, and its messages must still say which group.
+    """
+    module_names = {id(module): fqn or "<root>" for fqn, module in root.named_modules(remove_duplicate=False)}
+
+    def fqn(group: Any) -> str:
+        modules = _compat.group_modules(group)
+        return module_names.get(id(modules[0]), "<root>") if modules else _compat.group_name(group)
+
+    return fqn
+
+
 def _param_names(root: torch.nn.Module) -> dict[int, str]:
     return {id(param): fqn for fqn, param in root.named_parameters(remove_duplicate=False)}
 
@@ -570,18 +586,15 @@ def _refuse_preserve_if_unsupported(group_name: str, plan: Any) -> None:
 def _refuse_preserve_before_group_lazy_init(root: torch.nn.Module) -> None:
     """Where torch's check runs in the group's lazy init, a mixed ``preserve`` group is refused
     here, by this plugin and naming its parameters, before torch's assertion would."""
-    names = _param_names(root)
-    module_names = {id(module): fqn or "<root>" for fqn, module in root.named_modules(remove_duplicate=False)}
+    names, group_name = _param_names(root), group_fqns(root)
     for state in _compat.fsdp_states_under(root):
         for group in _compat.param_groups_of(state):
             decision = group.__dict__.get(_DECISION_ATTR)
             if decision is None or decision.strategy.name != "preserve":
                 continue
-            modules = _compat.group_modules(group)
-            group_name = module_names.get(id(modules[0]), "<root>") if modules else "<root>"
             plan = plan_group_dtypes(_model_param_entries(group, names))
             if plan.is_mixed:
-                _refuse_preserve_if_unsupported(repr(group_name), plan)
+                _refuse_preserve_if_unsupported(repr(group_name(group)), plan)
 
 
 def _init_mp_dtypes_trainable_only(original: Callable, group: Any) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -130,16 +130,17 @@ class UpcastStrategy:
     name = "upcast"
 
     def upcast_model(
-        self, groups: list[tuple[Any, list[ParamEntry]]], model_name: str
+        self, groups: list[tuple[Any, list[ParamEntry]]], model_name: str, group_name: Callable[[Any], str]
     ) -> list[tuple[Any, list[str]]]:
-        """Upcast ``groups`` (each with its parameters as the module holds them now); returns the groups
-        changed, each with the names of its parameters upcast. Every group is checked before any changes."""
+        """Upcast ``groups`` (each with its parameters as the module holds them now; ``group_name`` names one in
+        messages); returns the groups changed, each with the names of its parameters upcast. Every group is
+        checked before any changes."""
         widest, casts, refused = plan_model_upcast([entries for _, entries in groups])
         if refused:
             messages = []
             for index, plan in refused:
-                group_name = f"{_compat.group_name(groups[index][0])!r} of {model_name}"
-                messages.append(describe_mixed_dtypes(group_name, plan, self._conflicts(plan), ""))
+                name = f"{group_name(groups[index][0])!r} of {model_name}"
+                messages.append(describe_mixed_dtypes(name, plan, self._conflicts(plan), ""))
             raise MixedParamDtypeError(
                 "\n".join(message.rstrip("\n") for message in messages)
                 + "\nNothing was cast: upcast needs every parameter of a group in one dtype. " + _REFUSED_UPCAST_HINT
@@ -147,7 +148,7 @@ class UpcastStrategy:
         changed, params, added = [], 0, 0
         for (group, _), group_casts in zip(groups, casts):
             if group_casts:
-                added += self._upcast(group, group_casts, widest, f"{_compat.group_name(group)!r} of {model_name}")
+                added += self._upcast(group, group_casts, widest, f"{group_name(group)!r} of {model_name}")
                 params += len(group_casts)
                 changed.append((group, [p.name for p in group_casts]))
         if changed:
