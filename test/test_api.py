@@ -6,6 +6,7 @@ import contextlib
 import io
 import textwrap
 import types
+import warnings
 
 import torch
 from torch.testing._internal.common_utils import TestCase, run_tests
@@ -173,6 +174,32 @@ class TestPatchSet(TestCase):
         self.assertIs(Owner.__dict__["own"], own)
         self.assertNotIn("inherited", Owner.__dict__)
         self.assertEqual(Owner().inherited(), "base")
+
+    def test_restore_leaves_a_patch_put_over_ours_and_says_so(self):
+        """A library that patched the attribute after us (NeMo Automodel's foreach_reduce, say) keeps its patch:
+        putting torch's original back would drop it without a word."""
+        owner = types.ModuleType("fsdp_module_stand_in")
+
+        def original():
+            return "torch"
+
+        owner.reduce = original
+        patches = PatchSet()
+        patches.wrap(owner, "reduce", lambda current: lambda: "plugin")
+
+        def foreign_reduce():
+            return "library"
+
+        owner.reduce = foreign_reduce
+        with self.assertWarnsRegex(RuntimeWarning, r"left fsdp_module_stand_in\.reduce as it is \(.*foreign_reduce\)"):
+            patches.restore()
+        self.assertIs(owner.reduce, foreign_reduce)
+        # Ours, still in place, is restored as before, without a warning.
+        patches.wrap(owner, "reduce", lambda current: lambda: "plugin")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            patches.restore()
+        self.assertIs(owner.reduce, foreign_reduce)
 
 
 class TestFreshInterpreter(TestCase):

@@ -116,6 +116,26 @@ class TestForeignReduceWrapper(FSDPExtTestCase):
                 for name, value in params.items():
                     self.assertTrue(torch.equal(value, reference[1][name]), f"{when}: {name} differs")
 
+    def test_a_wrapper_put_over_the_plugins_stays_when_the_plugins_goes(self):
+        """The plugin's reduce wrapper goes with the last group that needs it; a library's wrapper put over it
+        since (NeMo's, after the first step) stays in place, with one warning naming it."""
+        gc.collect()
+        param_group_module = reduce_modules()[1]
+        with plugin(True, dtype_strategy="preserve"):
+            model = shard_model(seed_000_model(), mp_policy=MP)
+            train(model, self.rank, 1)
+            self.assertEqual(_compat.function_origin(param_group_module.foreach_reduce), "torch_fsdp_ext")
+            undo = patch_uniform_reduce_dtype()
+            try:
+                wrapper = param_group_module.foreach_reduce
+                with self.assertWarnsRegex(RuntimeWarning, rf"left {param_group_module.__name__}\.foreach_reduce "
+                                                           r"as it is \(.*uniform_reduce_dtype_foreach_reduce\)"):
+                    model = None
+                    gc.collect()
+                self.assertIs(param_group_module.foreach_reduce, wrapper)
+            finally:
+                undo()
+
     def test_torch_own_function_is_found_behind_the_wrapper(self):
         collectives, param_group_module = reduce_modules()
         torch_reduce = param_group_module.foreach_reduce

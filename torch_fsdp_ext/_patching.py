@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,6 +18,7 @@ class _AttributePatch:
     owner: Any
     name: str
     original: Any  # the object found in owner.__dict__, or _ABSENT
+    replacement: Any
 
 
 @dataclass
@@ -62,7 +64,7 @@ class PatchSet:
             replacement = decorator(make_wrapper(undecorated))
         setattr(owner, name, replacement)
         # Recorded only once applied, so a rollback after a failed wrap undoes nothing it did not do.
-        self._attributes.append(_AttributePatch(owner, name, original))
+        self._attributes.append(_AttributePatch(owner, name, original, replacement))
 
     def rebind_hook(self, hooks: dict, hook_id: int, replacement: types.MethodType) -> None:
         """Swap one registered module hook (a bound method) for ``replacement``."""
@@ -94,8 +96,33 @@ class PatchSet:
                 hook.hooks[hook.hook_id] = hook.original
         self._hooks.clear()
         for patch in reversed(self._attributes):
-            if patch.original is _ABSENT:
+            # Note: another library may have put its own patch over ours since (a wrapper of ours or its
+            # own function). Putting the original back would drop that patch without a word; it stays,
+            # and whoever restores it owns the attribute from then on.
+            current = patch.owner.__dict__.get(patch.name, _ABSENT)
+            if current is not patch.replacement:
+                warnings.warn(
+                    f"torch_fsdp_ext: left {_attribute_name(patch.owner, patch.name)} as it is "
+                    f"({_describe(current)}): something replaced the plugin's patch after it was applied, so "
+                    "the original is not put back over it",
+                    RuntimeWarning, stacklevel=2,
+                )
+            elif patch.original is _ABSENT:
                 delattr(patch.owner, patch.name)
             else:
                 setattr(patch.owner, patch.name, patch.original)
         self._attributes.clear()
+
+
+
+def _attribute_name(owner: Any, name: str) -> str:
+    if isinstance(owner, types.ModuleType):
+        return f"{owner.__name__}.{name}"
+    return f"{owner.__module__}.{owner.__qualname__}.{name}"
+
+
+def _describe(value: Any) -> str:
+    if value is _ABSENT:
+        return "no longer set there"
+    fn = getattr(value, "__func__", value)
+    return f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
