@@ -6,7 +6,7 @@ The model is loaded as a user loads a checkpoint that keeps its norms in fp32: `
 dtype=torch.bfloat16)`` of a ``LlamaForCausalLM`` subclass whose ``_keep_in_fp32_modules_strict`` names the
 RMSNorms (a tiny 2-layer Llama from a ``LlamaConfig``, saved by this tool, no download): linears and embedding
 bf16, the 5 norm weights fp32. ``SFTTrainer`` (TRL's defaults: gradient checkpointing on, AdamW) trains it on a
-fixed text dataset (``datasets.Dataset.from_list``, a word-level tokenizer made here) with ``fsdp="full_shard"``,
+fixed text dataset (``datasets.Dataset.from_list``, a word-level tokenizer made here) with ``fsdp=True``,
 ``fsdp_config={"fsdp_version": 2, ...}``, 3 steps, batch 2 per rank. Each job is launched as users launch one,
 ``torchrun --nproc-per-node 2 train.py`` (gloo); the plugin's jobs through the launcher, ``torchrun
 --nproc-per-node 2 -m torch_fsdp_ext.run train.py``. accelerate takes its FSDP path only on an accelerator: on these
@@ -116,7 +116,7 @@ def job(variant: str, root: str, result_path: str) -> None:
         output_dir=os.path.join(root, variant), use_cpu=True, bf16=variant.startswith("mp-"), max_steps=STEPS,
         per_device_train_batch_size=BATCH, learning_rate=1e-2, optim="adamw_torch", seed=0, data_seed=0,
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
-        fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+        fsdp=True, fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
     )
     trainer = LossRecordingSFTTrainer(model=model, args=arguments, train_dataset=text_dataset(),
                                       processing_class=AutoTokenizer.from_pretrained(checkpoint))
