@@ -184,5 +184,35 @@ class TestTorchaoFloat8Tool(TestCase):
         self.assertNotEqual(preserve, off)
 
 
+@unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes: there is nothing for the plugin to fix")
+class TestTrlTool(TestCase):
+    def test_sft_trainer(self):
+        if importlib.util.find_spec("trl") is None:
+            self.skipTest("trl is not installed (pip install trl==1.16.0, in its own environment: it adds datasets, "
+                          "pandas and pyarrow)")
+        result = run_tool("tools/integrations/trl_sft.py")
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        lines = result_lines(result.stdout, "trl-sft")
+        self.assertEqual(lines[0], "trl-sft: loaded: 5 fp32 norm weights, 16 bf16 parameters; "
+                                   "the trainer's model FSDPMixedLlamaForCausalLM")
+        mixed = "trl-sft: bf16=True"
+        self.assertRegex(lines[1], rf"^{mixed}, without plugin: trains \(losses [0-9.]+, [0-9.]+, [0-9.]+\)$")
+        self.assertEqual(lines[2], f"{mixed}, plugin vs without: bit for bit (both ranks' losses, 21/21 params)")
+        self.assertEqual(lines[3], f"{mixed}, model.float() vs without plugin: bit for bit (both ranks' losses, 21/21 params)")
+        off = "trl-sft: bf16=False"
+        self.assertEqual(lines[4], f"{off}, without plugin: AssertionError: FSDP expects uniform original parameter dtype")
+        self.assertEqual(lines[5], f"{off}, plugin: RuntimeError: expected m1 and m2 to have the same dtype")
+        auto = f"{off}, plugin with TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE=auto"
+        self.assertEqual(lines[6], f"{auto}: trains, parameters not fp32: none")
+        self.assertEqual(lines[7], f"{off}, plugin with auto vs bf16=True, step 1 loss on both ranks: bit for bit")
+        # Step 1 of the auto run is bf16=True's on rank 0 too, as printed.
+        first = lines[1].split("losses ")[1].split(",")[0]
+        self.assertRegex(lines[8], rf"^{off}, rank 0 losses: plugin with auto {first}, [0-9.]+, [0-9.]+; "
+                                   r"model\.float\(\) [0-9.]+, [0-9.]+, [0-9.]+$")
+        # All-fp32 compute differs from bf16 linears by design: no parameter is equal after the steps.
+        self.assertRegex(lines[9], rf"^{off}, plugin with auto vs model\.float\(\) \(all fp32 compute\): "
+                                   r"max abs diff losses [0-9.e+-]+, params [0-9.e+-]+ \(0/21 params equal\)$")
+
+
 if __name__ == "__main__":
     run_tests()

@@ -19,7 +19,8 @@ the fp32 norms' fp32 output into the bf16 base's ``q_proj`` and stops at the fir
 have the same dtype``), while the plugin keeps each module's compute dtype as loaded.
 
 accelerate turns FSDP on only on an accelerator (on CPU it falls back to DDP without a word); as its GPU branch does,
-the Accelerator the Trainer creates gets ``distributed_type = FSDP`` and the Trainer's FSDP plugin set by hand.
+the Accelerator the Trainer creates gets ``distributed_type = FSDP`` and the Trainer's FSDP plugin set by hand
+(``integrations/_accelerate.py``).
 """
 
 from __future__ import annotations
@@ -30,27 +31,13 @@ import subprocess
 import sys
 import tempfile
 
-from resume_table import HEADER, compare  # tools/, this script's folder
+from integrations._accelerate import accelerate_fsdp_on_cpu  # tools/, this script's folder
+from resume_table import HEADER, compare
 
 STEPS = 4
 RESUME_STEP = 2
 VOCAB, SEQ_LEN, BATCH = 64, 16, 2
 NORMS = ["input_layernorm", "post_attention_layernorm"]
-
-
-def accelerate_fsdp_on_cpu() -> None:
-    """Make the Trainer's Accelerator take accelerate's FSDP2 path on CPU ranks."""
-    import transformers.trainer
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType
-
-    def accelerator_with_fsdp(**kwargs):
-        accelerator = Accelerator(**kwargs)
-        accelerator.state.distributed_type = DistributedType.FSDP
-        accelerator.state.fsdp_plugin = kwargs["fsdp_plugin"]
-        return accelerator
-
-    transformers.trainer.Accelerator = accelerator_with_fsdp
 
 
 def mixed_lora_llama():
