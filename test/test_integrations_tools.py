@@ -214,5 +214,22 @@ class TestTrlTool(TestCase):
                                    r"max abs diff losses [0-9.e+-]+, params [0-9.e+-]+ \(0/21 params equal\)$")
 
 
+@unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes: there is nothing for the plugin to fix")
+@unittest.skipUnless(importlib.util.find_spec("axolotl") is not None,
+                     "axolotl is not installed (echo torch==2.13.0 > constraints.txt; pip install axolotl==0.19.0 -c "
+                     "constraints.txt, in an environment of its own: it pins its own transformers, accelerate, peft)")
+class TestAxolotlTool(TestCase):
+    def test_train(self):
+        result = run_tool("tools/integrations/axolotl_train.py")
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        lines = result_lines(result.stdout, "axolotl")
+        self.assertRegex(lines[0], r"^axolotl: without plugin: trains \(rank 0/1 losses [0-9./, ]+\); fp32 parameters it "
+                                   r"shards: 0 \(of the checkpoint's 5 fp32 RMSNorm weights, 5 load as bf16\)$")
+        self.assertEqual(lines[1], "axolotl: plugin vs without plugin: bit for bit (losses of both ranks; 21/21 params); "
+                                   "dtype fix active: yes, parameters it upcast: 0")
+        self.assertEqual(lines[2], "axolotl: fp32_norms: true, without plugin: trains; 5/5 RMSNorm weights fp32, every "
+                                   "other parameter bf16: yes")
+
+
 if __name__ == "__main__":
     run_tests()
