@@ -119,6 +119,8 @@ class TestForeignReduceWrapper(FSDPExtTestCase):
     def test_a_wrapper_put_over_the_plugins_stays_when_the_plugins_goes(self):
         """The plugin's reduce wrapper goes with the last group that needs it; a library's wrapper put over it
         since (NeMo's, after the first step) stays in place, with one warning naming it."""
+        if _compat.probe_reduce_casts_grads_per_param():
+            self.skipTest("this torch reduces mixed-dtype groups itself: the plugin puts no wrapper on foreach_reduce")
         gc.collect()
         param_group_module = reduce_modules()[1]
         with plugin(True, dtype_strategy="preserve"):
