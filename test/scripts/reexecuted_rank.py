@@ -68,8 +68,12 @@ def main() -> None:
     sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
-    if child is not None:
-        sys.exit(child.wait())
+    status = child.wait() if child is not None else 0
+    # Note: ends without interpreter finalization, where a gloo worker can abort the process
+    # ("terminate called without an active exception"; torch_fsdp_ext/_rank_end.py says why).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
