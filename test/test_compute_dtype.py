@@ -43,7 +43,7 @@ from common import (
 )
 from test_integration import decoder_layers, has_transformers, tiny_llama, train_llama
 from torch_fsdp_ext import _compute_dtype, run
-from torch_fsdp_ext._dtype_strategies import UPCAST_COST
+from torch_fsdp_ext._dtype._strategies import UPCAST_COST
 
 BF16, FP32 = torch.bfloat16, torch.float32
 COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "all_reduce")
@@ -432,7 +432,7 @@ nn.Module classes, class names, FQN globs or FQN components. No FSDP2 group buil
             with open(script, "w") as f:
                 f.write(
                     "import torch_fsdp_ext\n"
-                    f"open({seen!r}, 'w').write(repr(torch_fsdp_ext._compute_dtype.default_selectors()))\n"
+                    f"open({seen!r}, 'w').write(repr(torch_fsdp_ext._dtype._compute_dtype.default_selectors()))\n"
                 )
             argv, path = sys.argv[:], sys.path[:]
             try:

@@ -137,7 +137,7 @@ recompute  partly  yes     no failure → runs                     replays root 
                     textwrap.dedent(
                         """
                         # Sabotage the dtype fix in every process the doctor starts.
-                        from torch_fsdp_ext import _dtype_fix as d
+                        from torch_fsdp_ext._dtype import _fix as d
                         d.DtypeFix.upcast_root = lambda self, root, names=None: []
                         d._prepare = lambda group, strategy: False
                         """

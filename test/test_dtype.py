@@ -11,9 +11,10 @@ import torch.nn as nn
 from torch.testing._internal.common_utils import run_tests
 
 import torch_fsdp_ext
-from torch_fsdp_ext import MixedParamDtypeError, _compat, _dtype_fix
-from torch_fsdp_ext._dtype_plan import cast_exclusion_reason
-from torch_fsdp_ext._dtype_strategies import UPCAST_COST
+from torch_fsdp_ext import MixedParamDtypeError, _compat
+from torch_fsdp_ext._dtype import _fix as _dtype_fix
+from torch_fsdp_ext._dtype._plan import cast_exclusion_reason
+from torch_fsdp_ext._dtype._strategies import UPCAST_COST
 
 from common import (
     train_lm,

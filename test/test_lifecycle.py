@@ -130,7 +130,7 @@ torch_fsdp_ext was installed after this model was sharded (fully_shard ran befor
 Fix: move `import torch_fsdp_ext` before fully_shard and before loading the model's weights and the optimizer's state (or launch with TORCH_FSDP_EXT_AUTOLOAD=1), then resume again. The hand workaround, model.float() before fully_shard, needs no plugin.""",
         )
         # Without the check, the step fails inside AdamW on the stale state.
-        from torch_fsdp_ext import _optimizer_state
+        from torch_fsdp_ext._dtype import _optimizer_state
 
         _optimizer_state._upcast.clear()
         with self.assertRaisesRegex(RuntimeError, "dtype"):
@@ -314,7 +314,7 @@ class TestOptimizerPreHookCost(TestCase):
     """The pre-hook that looks for optimizer state older than an upcast (``_optimizer_state``)."""
 
     def setUp(self) -> None:
-        from torch_fsdp_ext import _optimizer_state
+        from torch_fsdp_ext._dtype import _optimizer_state
 
         self.state = _optimizer_state
         self.addCleanup(self.reset)

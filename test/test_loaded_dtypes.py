@@ -29,7 +29,7 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_fsdp_ext
 import torch_fsdp_ext.__main__
-from torch_fsdp_ext import _loaded_dtypes
+from torch_fsdp_ext._dtype import _loaded_dtypes
 
 from common import (
     ROOT,

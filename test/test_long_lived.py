@@ -17,7 +17,8 @@ from torch.testing._internal.common_utils import run_tests
 from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
-from torch_fsdp_ext import _dtype_fix, _install, _optimizer_state
+from torch_fsdp_ext import _install
+from torch_fsdp_ext._dtype import _fix as _dtype_fix, _optimizer_state
 
 from common import (
     FSDPExtTestCase,

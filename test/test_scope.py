@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.testing._internal.common_utils import run_tests
 
 import torch_fsdp_ext
-from torch_fsdp_ext import MixedParamDtypeError, _dtype_fix
+from torch_fsdp_ext import MixedParamDtypeError
+from torch_fsdp_ext._dtype import _fix as _dtype_fix
 
 from common import (
     FSDPExtTestCase,

@@ -2,7 +2,7 @@
 
 Every trainable floating parameter narrower than the widest in what one root's
 tree shards together becomes an fp32 master weight, at one moment every loader
-sees alike on every rank (Note [Upcast moment] in ``_dtype_fix.py``); each module
+sees alike on every rank (Note [Upcast moment] in ``_dtype/_fix.py``); each module
 computes in the dtype it computed in before. Each loader's result is compared bit
 for bit with its no-plugin reference.
 """
@@ -23,7 +23,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.common_utils import run_tests
 
 import torch_fsdp_ext
-from torch_fsdp_ext import MixedParamDtypeError, MixedPrecisionPolicy, _compute_dtype
+from torch_fsdp_ext import MixedParamDtypeError, MixedPrecisionPolicy
+from torch_fsdp_ext._dtype import _compute_dtype
 
 from common import (
     HAS_DTYPE_BUG,

@@ -4,7 +4,7 @@
     python tools/optimizer_hook_cost.py --quick     # 1k and 10k parameters
 
 The hook checks parameters the plugin upcast for optimizer state older than the upcast
-(``torch_fsdp_ext/_optimizer_state.py``). Per optimizer size, instructions of one hook
+(``torch_fsdp_ext/_dtype/_optimizer_state.py``). Per optimizer size, instructions of one hook
 call with one upcast parameter still to check that this optimizer does not hold (the
 worst case: it stays pending for good) and with nothing pending, against one
 ``optimizer.step()`` without the hook (SGD over one-element parameters: the cheapest
@@ -32,7 +32,7 @@ SETUP = """
 import os
 os.environ["TORCH_FSDP_EXT_DISABLE"] = "1"
 import torch
-from torch_fsdp_ext import _optimizer_state
+from torch_fsdp_ext._dtype import _optimizer_state
 
 class StandInFSDPParam:
     def __init__(self):

@@ -15,12 +15,13 @@ with _warnings.catch_warnings():
     _warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     import torch as _torch  # noqa: F401
 
-from . import _compute_dtype, _env, _install
-from ._compute_dtype import LoadedDtypeModules, MixedPrecisionPolicy, compute_in_loaded_dtype
-from ._dtype_plan import MixedParamDtypeError
-from ._dtype_strategies import STRATEGIES
+from . import _env, _install
+from ._dtype import _compute_dtype
+from ._dtype._compute_dtype import LoadedDtypeModules, MixedPrecisionPolicy, compute_in_loaded_dtype
+from ._dtype._loaded_dtypes import iter_state_dict_as_loaded, loaded_dtypes, save_loaded_dtypes, state_dict_as_loaded
+from ._dtype._plan import MixedParamDtypeError
+from ._dtype._strategies import STRATEGIES
 from ._env import SettingError
-from ._loaded_dtypes import iter_state_dict_as_loaded, loaded_dtypes, save_loaded_dtypes, state_dict_as_loaded
 from ._install import FIX_NAMES, FixStatus, Status, install, installed, status, uninstall, upcast_now
 from ._rank_consistency import RankCheckTimeoutError
 

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor(world_size=args.world_size)
     if args.command == "export":
-        from ._loaded_dtypes import ExportError, export
+        from ._dtype._loaded_dtypes import ExportError, export
 
         try:
             print(export(args.checkpoint_dir, args.out_dir))

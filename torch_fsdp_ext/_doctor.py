@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _compat
-from ._dtype_plan import MixedParamDtypeError
+from ._dtype._plan import MixedParamDtypeError
 from ._install import FIX_NAMES, install, status, uninstall
 from ._rank_end import end_rank
 from ._report import NEEDED_LEGEND, format_table, needed_word, plugin_does

@@ -10,9 +10,9 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from . import _compat, _compute_dtype, _env
-from ._dtype_fix import DtypeFix
-from ._dtype_strategies import STRATEGIES, UPCAST_COST
+from . import _compat, _env
+from ._dtype import DtypeFix, _compute_dtype
+from ._dtype._strategies import STRATEGIES, UPCAST_COST
 from ._patching import PatchSet
 from ._recompute import RecomputeReplay
 

@@ -1,7 +1,7 @@
 """Optimizers and the upcast moment.
 
 Note [Optimizers see the upcast]. The upcast (Note [Upcast moment] in
-``_dtype_fix``) happens after ``fully_shard`` and keeps each ``nn.Parameter``
+``_fix``) happens after ``fully_shard`` and keeps each ``nn.Parameter``
 object, so an optimizer that holds one keeps stepping the parameter the model
 uses. What must not happen is optimizer state made while a parameter is still in
 its loaded dtype: Adagrad's constructor state, the zero-lr step with which
@@ -42,9 +42,9 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _compat
-from ._dtype_plan import MixedParamDtypeError, format_dtype
-from ._patching import PatchSet, wraps
+from .. import _compat
+from ._plan import MixedParamDtypeError, format_dtype
+from .._patching import PatchSet, wraps
 
 _lock = threading.Lock()
 # id(sharded nn.Parameter) -> (a weak reference to its FSDPParam, the dtype it had before the upcast,
@@ -147,7 +147,7 @@ def _check_pending(optimizer: torch.optim.Optimizer) -> None:
                 _held.clear()
             return
     if late:
-        # Note [Installed late] in _dtype_fix: the optimizer and its state predate the plugin itself.
+        # Note [Installed late] in _fix: the optimizer and its state predate the plugin itself.
         lines = [
             "torch_fsdp_ext was installed after this model was sharded (fully_shard ran before "
             "`import torch_fsdp_ext`), and this optimizer made or loaded its state before the plugin upcast these "

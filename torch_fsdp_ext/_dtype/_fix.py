@@ -6,7 +6,7 @@ original dtype:
 
     AssertionError: FSDP expects uniform original parameter dtype but got {torch.bfloat16, torch.float32}
 
-The chosen strategy (``_dtype_strategies.py``) gets the model at two moments:
+The chosen strategy (``_strategies.py``) gets the model at two moments:
 
 - ``upcast``: once per model (the root's module tree), at the moment of Note [Upcast moment];
 - every strategy: right before each group's ``_init_mp_dtypes`` (lazy init, first
@@ -101,8 +101,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import _compat, _compute_dtype, _mixed_groups, _optimizer_state
-from ._dtype_plan import (
+from .. import _compat
+from . import _compute_dtype, _mixed_groups, _optimizer_state
+from ._plan import (
     MixedParamDtypeError,
     ParamEntry,
     cast_exclusion_reason,
@@ -110,9 +111,9 @@ from ._dtype_plan import (
     format_dtype,
     plan_group_dtypes,
 )
-from ._dtype_strategies import SHARDED_BEFORE_INSTALL_ATTR, make_strategy, upcast_sharded_param
-from ._patching import PatchSet, wraps
-from ._rank_consistency import RankConsistency
+from ._strategies import SHARDED_BEFORE_INSTALL_ATTR, make_strategy, upcast_sharded_param
+from .._patching import PatchSet, wraps
+from .._rank_consistency import RankConsistency
 
 _DECISION_ATTR = "_torch_fsdp_ext_dtype_decision"
 _BUILT_ATTR = "_torch_fsdp_ext_built_with_plugin"  # the group was built while the fix was installed

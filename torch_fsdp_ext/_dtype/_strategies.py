@@ -22,8 +22,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import _compat, _compute_dtype, _loaded_dtypes, _optimizer_state
-from ._dtype_plan import (
+from .. import _compat
+from . import _compute_dtype, _loaded_dtypes, _optimizer_state
+from ._plan import (
     GroupDtypePlan,
     MixedParamDtypeError,
     ParamEntry,
@@ -114,7 +115,7 @@ def modules_computing_in(groups: list[tuple[Any, list[ParamEntry]]], dtype: torc
 
 UPCAST_COST: UpcastCost = globals().get("UPCAST_COST") or UpcastCost()
 
-# Note [Installed late] in ``_dtype_fix``: on a param group that ``fully_shard`` built before the fix
+# Note [Installed late] in ``_fix``: on a param group that ``fully_shard`` built before the fix
 # was installed (True until its model's upcast said so, then "said").
 SHARDED_BEFORE_INSTALL_ATTR = "_torch_fsdp_ext_sharded_before_install"
 

@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import _compat
-from ._patching import wraps
+from .. import _compat
+from .._patching import wraps
 
 # Set on each FSDPParam of a mixed group (releases without per-parameter gradient dtypes):
 # (the parameter's own dtype, the group's reduce dtype or None, the dtype its reduced

@@ -3,7 +3,7 @@ which parameters must keep theirs whatever the strategy.
 
 Note: the plan depends only on dtypes and ``requires_grad`` flags, so every rank
 of a group that built the same model makes the same plan. The strategies
-(``_dtype_strategies.py``) decide what to do with it.
+(``_strategies.py``) decide what to do with it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _compat
+from .. import _compat
 
 _FLOAT8_DTYPES = frozenset(
     getattr(torch, name)

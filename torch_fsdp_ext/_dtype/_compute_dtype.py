@@ -10,7 +10,7 @@ function: ``compute_in_loaded_dtype(model, [LlamaRMSNorm, "lm_head"])`` or the
 ``TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE`` environment variable; the selector ``"auto"``
 reads a transformers model's own lists of modules kept in fp32 (Note [auto]).
 
-The dtype fix (``_dtype_fix.py``) calls three steps:
+The dtype fix (``_fix.py``) calls three steps:
 
 - ``resolve_before_sharding``: in ``FSDPParamGroup.__init__`` before the dtype fix
   casts anything, so that ``fn`` sees each parameter as the user loaded it;
@@ -42,8 +42,9 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-from . import _compat, _env, _loaded_dtypes, _mixed_groups
-from ._dtype_plan import format_dtype, param_names
+from .. import _compat, _env
+from . import _loaded_dtypes, _mixed_groups
+from ._plan import format_dtype, param_names
 
 ENV_VAR = "TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE"
 
@@ -128,7 +129,7 @@ def _require_dtype_fix() -> None:
     Note: checked when the policy is made, so that a policy never goes silently off
     (``TORCH_FSDP_EXT_DISABLE=1``, a torch the fix stands aside on, before ``install()``).
     Groups built while the fix was active keep their overrides after ``uninstall()``
-    (``_dtype_fix.GroupKeeper``).
+    (``_fix.GroupKeeper``).
     """
     if _dtype_fix_inactive_reason is None:
         return

@@ -1,9 +1,9 @@
 """Ship a model in the dtypes it was loaded in, however it trained.
 
 Under ``upcast`` a bf16 checkpoint trains as fp32 master weights (Note [Upcast
-moment] in ``_dtype_fix``), and every full state dict torch makes of it is fp32:
+moment] in ``_fix``), and every full state dict torch makes of it is fp32:
 twice the size of what was loaded. The plugin is the one component that knows each
-parameter's dtype from before the upcast: ``_dtype_strategies.upcast_param``, the
+parameter's dtype from before the upcast: ``_strategies.upcast_param``, the
 one place a sharded parameter changes dtype, records it here.
 
 Note: each tensor is rounded to its loaded dtype on its local shard, before it is
@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from .. import _compat
 
 # Note: kept on the FSDPParam, not in a weak mapping of parameters: a weak reference
 # to a tensor makes torch.utils.swap_tensors (the upcast itself, nn.Module._apply
