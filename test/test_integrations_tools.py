@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import unittest
@@ -66,13 +67,88 @@ def float8_training_missing() -> str | None:
     return None
 
 
+PAGE = os.path.join(ROOT, "docs", "integrations.md")
+ASSERTED = "without plugin: AssertionError: FSDP expects uniform original parameter dtype"
+FIGURE = re.compile(r"\d+\.\d+(?:e[+-]\d+)?")  # a loss or a difference as the tools print it; counts stay
+SIDE = re.compile(r"(.+?) ([0-9.]+(?:, [0-9.]+)*)")  # one side of a rank line: its name, then its losses
+
+
 def run_tool(path: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     return subprocess.run([sys.executable, path], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
 def result_lines(stdout: str, label: str) -> list[str]:
-    return [line for line in stdout.splitlines() if line.startswith(f"{label}: ")]
+    """The tool's result lines, without the per-rank loss lines of its comparisons."""
+    lines = stdout.splitlines()
+    return [line for line in lines if line.startswith(f"{label}: ") and not line.startswith(f"{label}:   ")]
+
+
+def rank_losses(stdout: str, label: str) -> list[dict[str, list[str]]]:
+    """The per-rank loss lines in the order printed: for each, the losses of both sides, by side name."""
+    found = []
+    for line in stdout.splitlines():
+        if line.startswith(f"{label}:   rank "):
+            sides = line.split(" losses: ", 1)[1].split("; ")
+            found.append({m.group(1): m.group(2).split(", ") for m in (SIDE.fullmatch(side) for side in sides)})
+    return found
+
+
+def page_table() -> tuple[list[str], list[list[str]]]:
+    """The header and the rows of the page's stack table (its first table)."""
+    with open(PAGE) as f:
+        table = [line for line in f.read().split("\n\n") if line.startswith("| ")][0].splitlines()
+    split = lambda line: [cell.strip() for cell in line.strip().strip("|").split(" | ")]  # noqa: E731
+    return split(table[0]), [split(line) for line in table[2:]]
+
+
+class TestIntegrationsPage(TestCase):
+    """The page's table stays one a user can act on: short cells, the line to add in every row."""
+
+    def test_table_rows(self):
+        header, rows = page_table()
+        self.assertIn("your code", header)
+        self.assertGreaterEqual(len(rows), 8)
+        for row in rows:
+            self.assertEqual(len(row), len(header), row[0])
+            for cell in row:
+                self.assertLessEqual(len(cell), 300, f"{row[0]}: {cell}")
+            self.assertRegex(row[header.index("your code")], r"`[^`]+`", row[0])
+            # A count of parameters says what it counts: "15/15 params" alone did not.
+            self.assertNotRegex(" ".join(row), r"\d+/\d+ params?\b", row[0])
+
+
+def check_page(test: TestCase, stdout: str, label: str) -> None:
+    """Every result line the tool printed is on the page as printed, its losses and differences aside (they are the
+    page's torch release's)."""
+    with open(PAGE) as f:
+        page = {FIGURE.sub("#", line.strip()) for line in f}
+    for line in stdout.splitlines():
+        if line.startswith(f"{label}: "):
+            test.assertTrue(FIGURE.sub("#", line) in page, f"not on docs/integrations.md: {line}")
+
+
+def check_comparison(test: TestCase, stdout: str, label: str, heading: str, exact: bool, tensors: int,
+                     first: int = 0) -> list[dict[str, list[str]]]:
+    """The comparison line starting with ``heading`` says ``exact`` (bit for bit), with figures that agree: 2 ranks'
+    losses, ``tensors`` parameter tensors, no difference where exact; its rank lines (``first``: the index of its
+    first among the tool's rank lines) hold both sides' losses, equal on every rank where exact. The rank lines."""
+    line = next(line for line in result_lines(stdout, label) if line.startswith(heading))
+    if exact:
+        test.assertRegex(line, r": bit for bit: losses of 2 ranks x \d+ steps, max abs diff 0; "
+                               rf"{tensors}/{tensors} parameter tensors equal, max abs diff 0$")
+    else:
+        test.assertRegex(line, r": differs: losses of 2 ranks x \d+ steps, max abs diff [0-9.e+-]+; "
+                               rf"\d+/{tensors} parameter tensors equal, max abs diff [0-9.e+-]+$")
+    steps = int(re.search(r"x (\d+) steps", line).group(1))
+    ranks = rank_losses(stdout, label)[first:first + 2]
+    test.assertEqual(len(ranks), 2)
+    for sides in ranks:
+        ours, theirs = sides.values()
+        test.assertEqual((len(ours), len(theirs)), (steps, steps))
+        if exact:
+            test.assertEqual(ours, theirs)
+    return ranks
 
 
 @unittest.skipUnless(HAS_LIGHTNING, "lightning is not installed (pip install -e '.[test]' installs it)")
@@ -81,22 +157,25 @@ class TestLightningTools(TestCase):
     def check(self, tool: str, label: str, resume: str) -> list[str]:
         result = run_tool(tool)
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        check_page(self, result.stdout, label)
         lines = result_lines(result.stdout, label)
-        self.assertEqual(lines[0], f"{label}: without plugin: AssertionError: FSDP expects uniform original parameter dtype")
-        self.assertRegex(lines[1], rf"^{label}: plugin vs model\.float\(\): bit for bit \(losses [0-9., ]+; 15/15 params\)$")
-        self.assertRegex(lines[2], rf"^{label}: {resume}: plugin vs uninterrupted: bit for bit \(losses [0-9., ]+; 15/15 params\)$")
-        # The resumed run's losses are the uninterrupted run's steps 3-4.
-        self.assertTrue(lines[1].split("losses ")[1].split(";")[0].endswith(lines[2].split("losses ")[1].split(";")[0]))
+        self.assertEqual(lines[0], f"{label}: {ASSERTED}")
+        full = check_comparison(self, result.stdout, label, f"{label}: plugin vs model.float()", True, 15)
+        resumed = check_comparison(self, result.stdout, label, f"{label}: {resume}: resumed vs uninterrupted", True, 15,
+                                   first=2)
+        # The resumed run's losses are the uninterrupted run's steps 3-4, on each rank.
+        for whole, tail in zip(full, resumed):
+            self.assertEqual(whole["plugin"][2:], tail["resumed"])
         return lines
 
     def test_trainer(self):
         lines = self.check("tools/integrations/lightning_trainer.py", "lightning-trainer",
-                           r"save_checkpoint -> fit\(ckpt_path\) at step 2")
+                           "save_checkpoint -> fit(ckpt_path) at step 2")
         self.assertRegex(lines[3], r"precision='bf16-true' after model\.float\(\): 5/5 fp32 RMSNorm weights are bf16")
 
     def test_fabric(self):
         self.check("tools/integrations/lightning_fabric.py", "lightning-fabric",
-                   r"fabric\.save -> fabric\.load at step 2 \(one file\)")
+                   "fabric.save -> fabric.load at step 2 (one file)")
 
 
 @unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes: there is nothing for the plugin to fix")
@@ -107,15 +186,26 @@ class TestTorchtuneTool(TestCase):
             self.skipTest(reason)
         result = run_tool("tools/integrations/torchtune_shard.py")
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
-        lines = result_lines(result.stdout, "torchtune")
-        self.assertEqual(lines[0], "torchtune: without plugin: AssertionError: FSDP expects uniform original parameter dtype")
+        label = "torchtune"
+        check_page(self, result.stdout, label)
+        lines = result_lines(result.stdout, label)
+        self.assertEqual(lines[0], f"{label}: {ASSERTED}")
         self.assertTrue(lines[1].endswith("step 1 loss on every rank: bit for bit"), lines[1])
-        self.assertEqual(lines[3], "torchtune: parameters not fp32 after the plugin's steps: none")
-        lora = "torchtune: fp32 LoRA on a frozen bf16 base"
+        ranks = rank_losses(result.stdout, label)
+        for sides in ranks[:2]:
+            self.assertEqual(sides["plugin"], sides["unsharded"])
+        # bf16 weights compute in bf16: model.float()'s all-fp32 run differs by design, from step 1 on.
+        fp32 = check_comparison(self, result.stdout, label, f"{label}: plugin vs model.float() (all fp32 compute)",
+                                False, 21, first=2)
+        self.assertEqual([sides["plugin"][0] for sides in fp32], [sides["plugin"][0] for sides in ranks[:2]])
+        self.assertEqual(lines[3], f"{label}: parameters not fp32 after the plugin's steps: none")
+        lora = f"{label}: fp32 LoRA on a frozen bf16 base"
         self.assertEqual(lines[4], f"{lora}, without plugin: RuntimeError: expected m1 and m2 to have the same dtype")
         self.assertEqual(lines[5], f"{lora}, plugin: RuntimeError: expected m1 and m2 to have the same dtype")
-        self.assertRegex(lines[6], rf"^{lora}, plugin with TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE=lora_a,lora_b: trains, "
-                                   r"step 1 loss on every rank bit for bit with the bf16 base unsharded")
+        self.assertEqual(lines[6], f"{lora}, plugin with TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE=lora_a,lora_b: trains, "
+                                   "step 1 loss on every rank bit for bit with the bf16 base unsharded")
+        for sides in ranks[4:6]:
+            self.assertEqual(sides["plugin"], sides["unsharded bf16 base"])
 
 
 @unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes: there is nothing for the plugin to fix")
@@ -126,19 +216,20 @@ class TestNemoAutomodelTool(TestCase):
             self.skipTest(reason)
         result = run_tool("tools/integrations/nemo_automodel_parallelize.py")
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
-        lines = result_lines(result.stdout, "nemo-automodel")
+        label = "nemo-automodel"
+        check_page(self, result.stdout, label)
+        lines = result_lines(result.stdout, label)
         self.assertEqual(len(lines), 6, result.stdout)
-        self.assertEqual(lines[0],
-                         "nemo-automodel: without plugin: AssertionError: FSDP expects uniform original parameter dtype")
-        exact = r": bit for bit \(losses ([0-9., ]+); 21/21 params\)$"
-        self.assertRegex(lines[1], rf"^nemo-automodel: plugin vs model\.float\(\){exact}")
-        self.assertRegex(lines[2], r"^nemo-automodel: preserve \(5 FSDP units\): "
-                                   rf"plugin vs fully_shard_by_dtype \(9 FSDP units\){exact}")
-        patched = "nemo-automodel: NeMo's foreach_reduce patch before the first forward"
-        self.assertRegex(lines[3], rf"^{patched}, upcast: plugin vs model\.float\(\){exact}")
-        self.assertRegex(lines[4], rf"^{patched}, preserve: plugin vs fully_shard_by_dtype{exact}")
+        self.assertEqual(lines[0], f"{label}: {ASSERTED}")
+        upcast = check_comparison(self, result.stdout, label, f"{label}: plugin vs model.float()", True, 21)
+        preserve = check_comparison(self, result.stdout, label, f"{label}: preserve (5 FSDP units): plugin vs "
+                                    "fully_shard_by_dtype (9 FSDP units)", True, 21, first=2)
+        patched = f"{label}: NeMo's foreach_reduce patch before the first forward"
+        check_comparison(self, result.stdout, label, f"{patched}, upcast: plugin vs model.float()", True, 21, first=4)
+        check_comparison(self, result.stdout, label, f"{patched}, preserve: plugin vs fully_shard_by_dtype", True, 21,
+                         first=6)
         # preserve keeps bf16 weights: its later steps differ from upcast's fp32 masters.
-        self.assertNotEqual(lines[1].split("losses ")[1], lines[2].split("losses ")[1])
+        self.assertNotEqual(upcast[0]["plugin"], preserve[0]["plugin"])
         late = "nemo-automodel: NeMo's foreach_reduce patch after the first step, preserve"
         self.assertTrue(lines[5].startswith(f"{late}: RuntimeError: torch_fsdp_ext: "), lines[5])
         self.assertIn(".foreach_reduce is nemo_automodel.components.distributed.fsdp_patches."
@@ -155,13 +246,13 @@ class TestTorchaoFloat8Tool(TestCase):
             self.skipTest(reason)
         result = run_tool("tools/integrations/torchao_float8.py")
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
-        lines = result_lines(result.stdout, "torchao-float8")
         label, subclass = "torchao-float8", "WeightWithDynamicFloat8CastTensor"
+        check_page(self, result.stdout, label)
+        lines = result_lines(result.stdout, label)
         for line, config in zip(lines[:2], ("all-gather off", "float8 all-gather")):
-            self.assertEqual(line, f"{label}: {config}: without plugin: AssertionError: FSDP expects uniform original "
-                                   "parameter dtype")
-        self.assertRegex(lines[2], rf"^{label}: all-gather off: plugin vs model\.float\(\): bit for bit "
-                                   r"\(losses [0-9., ]+; 15/15 params\)$")
+            self.assertEqual(line, f"{label}: {config}: {ASSERTED}")
+        off = check_comparison(self, result.stdout, label, f"{label}: all-gather off: plugin vs model.float()", True,
+                               15)
         self.assertEqual(lines[3], f"{label}: float8 all-gather: model.float(): 8/8 float8 weights' local tensors "
                                    f"{subclass}, all-gathered by torchao: torch.float8_e4m3fn")
         self.assertRegex(lines[4], rf"^{label}: float8 all-gather: plugin: MixedParamDtypeError: torch_fsdp_ext: FSDP2 "
@@ -170,18 +261,21 @@ class TestTorchaoFloat8Tool(TestCase):
                                    "subclass with fsdp_pre_all_gather', fix named: model.float() before "
                                    "convert_to_float8_training and fully_shard; parameters cast: none; 8/8 weights "
                                    f"still {subclass}")
-        self.assertRegex(lines[6], rf"^{label}: float8 all-gather, model\.float\(\): plugin vs model\.float\(\) "
-                                   r"without it: bit for bit \(losses [0-9., ]+; 15/15 params\); 8/8 float8 weights' "
-                                   rf"local tensors {subclass}, all-gathered by torchao: torch\.float8_e4m3fn$")
-        self.assertRegex(lines[7], rf"^{label}: all-gather off: preserve: trains with 10 bf16 masters, losses ")
-        self.assertRegex(lines[8], rf"^{label}: float8 all-gather: preserve: MixedParamDtypeError: ")
-        # Both runs start from the same weights: the same first loss; preserve's bf16 masters then drift.
-        off = lines[2].split("losses ")[1].split(";")[0].split(", ")
-        preserve, reference = (part.split(", ")
-                               for part in lines[7].split("losses ")[1].rstrip(")").split(" (model.float(): "))
-        self.assertEqual(reference, off)
-        self.assertEqual(preserve[0], off[0])
-        self.assertNotEqual(preserve, off)
+        check_comparison(self, result.stdout, label, f"{label}: float8 all-gather, model.float(): plugin vs "
+                         "model.float() without it", True, 15, first=2)
+        self.assertEqual(lines[7], f"{label}: float8 all-gather, model.float(): plugin: 8/8 float8 weights' local "
+                                   f"tensors {subclass}, all-gathered by torchao: torch.float8_e4m3fn")
+        self.assertEqual(lines[8], f"{label}: all-gather off: preserve: trains with 10 bf16 masters")
+        preserve = check_comparison(self, result.stdout, label, f"{label}: all-gather off: preserve vs model.float()",
+                                    False, 15, first=4)
+        self.assertEqual(lines[10], f"{label}: all-gather off: preserve vs model.float(), step 1 loss on both ranks: "
+                                    "bit for bit")
+        self.assertRegex(lines[11], rf"^{label}: float8 all-gather: preserve: MixedParamDtypeError: ")
+        # Both runs start from the same weights: the same first loss on each rank; preserve's bf16 masters then drift.
+        for rank in range(2):
+            self.assertEqual(preserve[rank]["model.float()"], off[rank]["model.float()"])
+            self.assertEqual(preserve[rank]["preserve"][0], off[rank]["plugin"][0])
+            self.assertNotEqual(preserve[rank]["preserve"], off[rank]["plugin"])
 
 
 @unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes: there is nothing for the plugin to fix")
@@ -192,26 +286,32 @@ class TestTrlTool(TestCase):
                           "pandas and pyarrow)")
         result = run_tool("tools/integrations/trl_sft.py")
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
-        lines = result_lines(result.stdout, "trl-sft")
-        self.assertEqual(lines[0], "trl-sft: loaded: 5 fp32 norm weights, 16 bf16 parameters; "
+        label = "trl-sft"
+        check_page(self, result.stdout, label)
+        lines = result_lines(result.stdout, label)
+        self.assertEqual(lines[0], f"{label}: loaded: 5 fp32 norm weights, 16 bf16 parameters; "
                                    "the trainer's model FSDPMixedLlamaForCausalLM")
-        mixed = "trl-sft: bf16=True"
-        self.assertRegex(lines[1], rf"^{mixed}, without plugin: trains \(losses [0-9.]+, [0-9.]+, [0-9.]+\)$")
-        self.assertEqual(lines[2], f"{mixed}, plugin vs without: bit for bit (both ranks' losses, 21/21 params)")
-        self.assertEqual(lines[3], f"{mixed}, model.float() vs without plugin: bit for bit (both ranks' losses, 21/21 params)")
-        off = "trl-sft: bf16=False"
-        self.assertEqual(lines[4], f"{off}, without plugin: AssertionError: FSDP expects uniform original parameter dtype")
+        mixed = f"{label}: bf16=True"
+        self.assertEqual(lines[1], f"{mixed}, without plugin: trains")
+        plain = check_comparison(self, result.stdout, label, f"{mixed}: plugin vs without plugin", True, 21)
+        check_comparison(self, result.stdout, label, f"{mixed}: model.float() vs without plugin", True, 21, first=2)
+        off = f"{label}: bf16=False"
+        self.assertEqual(lines[4], f"{off}, {ASSERTED}")
         self.assertEqual(lines[5], f"{off}, plugin: RuntimeError: expected m1 and m2 to have the same dtype")
-        auto = f"{off}, plugin with TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE=auto"
-        self.assertEqual(lines[6], f"{auto}: trains, parameters not fp32: none")
+        self.assertEqual(lines[6], f"{off}, plugin with TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE=auto: trains, "
+                                   "parameters not fp32: none")
         self.assertEqual(lines[7], f"{off}, plugin with auto vs bf16=True, step 1 loss on both ranks: bit for bit")
-        # Step 1 of the auto run is bf16=True's on rank 0 too, as printed.
-        first = lines[1].split("losses ")[1].split(",")[0]
-        self.assertRegex(lines[8], rf"^{off}, rank 0 losses: plugin with auto {first}, [0-9.]+, [0-9.]+; "
-                                   r"model\.float\(\) [0-9.]+, [0-9.]+, [0-9.]+$")
-        # All-fp32 compute differs from bf16 linears by design: no parameter is equal after the steps.
-        self.assertRegex(lines[9], rf"^{off}, plugin with auto vs model\.float\(\) \(all fp32 compute\): "
-                                   r"max abs diff losses [0-9.e+-]+, params [0-9.e+-]+ \(0/21 params equal\)$")
+        # All-fp32 compute differs from bf16 linears by design: no parameter tensor is equal after the steps.
+        auto = check_comparison(self, result.stdout, label, f"{off}: plugin with auto vs model.float() (all fp32 "
+                                "compute)", False, 21, first=4)
+        self.assertRegex(lines[8], r" 0/21 parameter tensors equal")
+        # Step 1 of the auto run is bf16=True's on each rank, as printed.
+        for rank in range(2):
+            self.assertEqual(auto[rank]["plugin with auto"][0], plain[rank]["without plugin"][0])
+        self.assertEqual(lines[9], f"{off}, stock LlamaForCausalLM: loaded with dtype=torch.bfloat16: 0 fp32 "
+                                   "parameters (the checkpoint's 5 fp32 norm weights arrive bf16)")
+        check_comparison(self, result.stdout, label, f"{off}, stock LlamaForCausalLM, norms made fp32 by hand: "
+                         "plugin with LlamaRMSNorm named vs plugin with auto", True, 21, first=6)
 
 
 @unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes: there is nothing for the plugin to fix")
@@ -222,6 +322,7 @@ class TestAxolotlTool(TestCase):
     def test_train(self):
         result = run_tool("tools/integrations/axolotl_train.py")
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        check_page(self, result.stdout, "axolotl")
         lines = result_lines(result.stdout, "axolotl")
         self.assertRegex(lines[0], r"^axolotl: without plugin: trains \(rank 0/1 losses [0-9./, ]+\); fp32 parameters it "
                                    r"shards: 0 \(of the checkpoint's 5 fp32 RMSNorm weights, 5 load as bf16\)$")

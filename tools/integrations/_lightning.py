@@ -27,9 +27,10 @@ def run_jobs(script: str, label: str, resume: str, through_launcher: Collection[
     print(f"torch {torch.__version__}, lightning {version('lightning')}, 2 gloo ranks, {STEPS} steps")
     failed = plain.returncode != 0 and ASSERTION in plain.stderr
     print(f"{label}: without plugin: {'AssertionError: ' + ASSERTION if failed else 'NO ASSERTION'}")
-    line, plugin_exact = compare(label, results["plugin"], results["workaround"], "model.float()")
-    print(line)
+    lines, plugin_exact = compare(label, results["plugin"], results["workaround"], "model.float()")
+    print("\n".join(lines))
     uninterrupted = {"losses": results["plugin"]["losses"][RESUME_STEP:], "params": results["plugin"]["params"]}
-    line, resume_exact = compare(f"{label}: {resume}", results["plugin"]["resumed"], uninterrupted, "uninterrupted")
-    print(line)
+    lines, resume_exact = compare(f"{label}: {resume}", results["plugin"]["resumed"], uninterrupted, "uninterrupted",
+                                  result_name="resumed")
+    print("\n".join(lines))
     return failed and plugin_exact and resume_exact, results

@@ -102,14 +102,48 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return full
 
 
-def compare(label: str, result: dict, reference: dict, reference_name: str) -> tuple[str, bool]:
-    """One line comparing ``result`` with ``reference`` (each {"losses": [...], "params": {...}}) bit for bit."""
-    losses_equal = len(result["losses"]) == len(reference["losses"]) and all(
-        torch.equal(a, b) for a, b in zip(result["losses"], reference["losses"])
-    )
+def gathered_losses(losses: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's losses, one per step, with every other rank's: a (steps, ranks) tensor (a collective: call it on
+    every rank)."""
+    import torch.distributed as dist
+
+    mine = torch.stack([loss.detach().float() for loss in losses])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return torch.stack(every, dim=1)
+
+
+def figure(value: float) -> str:
+    """A maximum absolute difference as printed: 0 when nothing differs."""
+    return "0" if value == 0 else f"{value:.2e}"
+
+
+def losses_text(losses: torch.Tensor) -> str:
+    """One rank's losses, a step each (the (steps,) column of a gathered tensor)."""
+    return ", ".join(f"{loss:.6f}" for loss in losses.tolist())
+
+
+def compare(label: str, result: dict, reference: dict, reference_name: str,
+            result_name: str = "plugin") -> tuple[list[str], bool]:
+    """Lines comparing ``result`` with ``reference`` (each {"losses": a (steps, ranks) tensor, "params": {name: full
+    tensor}}), and whether they are equal bit for bit: the verdict with the figures compared (how many losses and
+    parameter tensors, and the largest absolute difference of each), then each rank's losses on both sides."""
     names = reference["params"].keys()
-    equal = [n for n in names if n in result["params"] and torch.equal(result["params"][n], reference["params"][n])]
-    exact = losses_equal and len(equal) == len(names) and result["params"].keys() == names
-    losses = ", ".join(f"{loss.item():.6f}" for loss in result["losses"])
-    verdict = "bit for bit" if exact else "DIFFERENT"
-    return f"{label}: plugin vs {reference_name}: {verdict} (losses {losses}; {len(equal)}/{len(names)} params)", exact
+    common = [n for n in names if n in result["params"] and result["params"][n].shape == reference["params"][n].shape]
+    equal = [n for n in common if torch.equal(result["params"][n], reference["params"][n])]
+    param_diff = max(((result["params"][n].float() - reference["params"][n].float()).abs().max().item()
+                      for n in common), default=float("inf"))
+    ours, theirs = result["losses"], reference["losses"]
+    same_shape = ours.shape == theirs.shape
+    loss_diff = (ours - theirs).abs().max().item() if same_shape else float("inf")
+    exact = same_shape and torch.equal(ours, theirs) and result["params"].keys() == names and len(equal) == len(names)
+    steps, ranks = theirs.shape
+    tool = label.split(":")[0]  # the rank lines carry the tool's label, not the comparison's context
+    lines = [f"{label}: {result_name} vs {reference_name}: {'bit for bit' if exact else 'differs'}: "
+             f"losses of {ranks} ranks x {steps} steps, max abs diff {figure(loss_diff)}; "
+             f"{len(equal)}/{len(names)} parameter tensors equal, max abs diff {figure(param_diff)}"]
+    for rank in range(ranks):
+        mine = losses_text(ours[:, rank]) if same_shape else "-"
+        lines.append(f"{tool}:   rank {rank} losses: {result_name} {mine}; {reference_name} "
+                     f"{losses_text(theirs[:, rank])}")
+    return lines, exact

@@ -16,8 +16,8 @@ rank and step, ``precision="32-true"``:
   and train to step 4.
 
 Exit status 1 unless: plain fails with the assertion, the plugin's 4 steps equal the workaround's bit for bit
-(losses and every full parameter), and the resumed run equals the uninterrupted one bit for bit (losses 3-4,
-parameters).
+(both ranks' losses and every full parameter), and the resumed run equals the uninterrupted one bit for bit
+(both ranks' losses 3-4, parameters).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from _jobs import run_tool  # this script's folder
 from _lightning import RESUME_STEP, STEPS, run_jobs
-from _model import full_params, mixed_llama, train_steps
+from _model import full_params, gathered_losses, mixed_llama, train_steps
 
 
 def shard(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
@@ -55,7 +55,7 @@ def train(fabric, variant: str, first_step: int, last_step: int, checkpoint: str
     losses = train_steps(model, optimizer, fabric.global_rank, range(first_step, last_step), fabric.backward)
     if save is not None:
         fabric.save(save, {"model": model, "optimizer": optimizer})
-    return {"losses": losses, "params": full_params(model)}
+    return {"losses": gathered_losses(losses), "params": full_params(model)}
 
 
 def job(variant: str, root: str, result_path: str) -> None:

@@ -14,12 +14,13 @@ launching the second rank itself; AdamW, one fixed batch per rank and step, ``pr
   casts every parameter to bf16 after ``configure_model``: the dtypes of the norms at the first step are recorded;
 - ``plugin``: the script unchanged, started as ``python -m torch_fsdp_ext.run lightning_trainer.py ...`` (rank 1,
   which Lightning starts as ``python lightning_trainer.py ...``, gets the plugin from the launcher's
-  ``TORCH_FSDP_EXT_AUTOLOAD=1``: the package must be installed, ``pip install -e .``); 4 steps uninterrupted, then 2 steps, ``trainer.save_checkpoint`` (sharded,
-  Lightning's default for this strategy), and a new Trainer that resumes with ``fit(ckpt_path=...)`` to step 4.
+  ``TORCH_FSDP_EXT_AUTOLOAD=1``: the package must be installed, ``pip install -e .``); 4 steps uninterrupted, then
+  2 steps, ``trainer.save_checkpoint`` (sharded, Lightning's default for this strategy), and a new Trainer
+  that resumes with ``fit(ckpt_path=...)`` to step 4.
 
 Exit status 1 unless: plain fails with the assertion, the plugin's 4 steps equal the workaround's bit for bit
-(losses and every full parameter), the resumed run equals the uninterrupted one bit for bit (losses 3-4,
-parameters), and bf16-true turned the fp32 norms into bf16.
+(both ranks' losses and every full parameter), the resumed run equals the uninterrupted one bit for bit (both
+ranks' losses 3-4, parameters), and bf16-true turned the fp32 norms into bf16.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from _jobs import run_tool  # this script's folder
 from _lightning import RESUME_STEP, STEPS, run_jobs
-from _model import RMSNorm, full_params, lm_loss, mixed_llama, tokens
+from _model import RMSNorm, full_params, gathered_losses, lm_loss, mixed_llama, tokens
 
 
 def lightning_run(variant: str, root: str, steps: int, precision: str = "32-true", ckpt_path: str | None = None):
@@ -97,7 +98,7 @@ def job(variant: str, root: str, result_path: str) -> None:
     """The ranks of one job: Lightning re-runs this script for rank 1."""
     result = {}
     trainer, module = lightning_run(variant, root, STEPS)
-    result["losses"], result["params"] = module.losses, full_params(module.model)
+    result["losses"], result["params"] = gathered_losses(module.losses), full_params(module.model)
     if variant == "workaround":
         _, bf16_true = lightning_run(variant, root, 1, precision="bf16-true")
         result["bf16_true_norm_dtypes"] = bf16_true.norm_dtypes
@@ -106,7 +107,7 @@ def job(variant: str, root: str, result_path: str) -> None:
         first, _ = lightning_run(variant, root, RESUME_STEP)
         first.save_checkpoint(checkpoint)
         _, resumed = lightning_run(variant, root, STEPS, ckpt_path=checkpoint)
-        result["resumed"] = {"losses": resumed.losses, "params": full_params(resumed.model)}
+        result["resumed"] = {"losses": gathered_losses(resumed.losses), "params": full_params(resumed.model)}
     if trainer.global_rank == 0:
         torch.save(result, result_path)
 

@@ -22,9 +22,9 @@ output embeddings, and at the root. AdamW, 4 steps, one fixed batch per rank and
 FSDP units are counted on rank 0 as the modules that are ``FSDPModule`` instances after parallelizing (one per
 ``fully_shard`` call).
 
-Exit status 1 unless: plain fails with the assertion; upcast's 4 steps (losses and every full parameter) equal the
-workaround's bit for bit, with and without NeMo's patch; preserve's equal by-dtype's bit for bit, with and without
-NeMo's patch; and the late patch is refused at the next backward with the plugin's error naming it.
+Exit status 1 unless: plain fails with the assertion; upcast's 4 steps (both ranks' losses and every full parameter)
+equal the workaround's bit for bit, with and without NeMo's patch; preserve's equal by-dtype's bit for bit, with and
+without NeMo's patch; and the late patch is refused at the next backward with the plugin's error naming it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import tempfile
 import torch
 
 from _jobs import ASSERTION, launch_job, run_tool  # this script's folder
-from _model import VOCAB, compare, full_params, lm_loss, tokens
+from _model import VOCAB, compare, full_params, gathered_losses, lm_loss, tokens
 
 STEPS = 4
 LABEL = "nemo-automodel"
@@ -87,7 +87,7 @@ def run(rank: int, run_name: str, patch_after: str | None = None) -> dict:
         losses.append(loss.detach().clone())
         if patch_after == "first step" and step == 0:
             patch_fsdp_uniform_reduce_dtype()
-    return {"losses": losses, "params": full_params(model), "units": units}
+    return {"losses": gathered_losses(losses), "params": full_params(model), "units": units}
 
 
 def collected(rank: int, *args, **kwargs) -> dict:
@@ -161,8 +161,8 @@ def main() -> int:
         compare(f"{LABEL}: NeMo's foreach_reduce patch before the first forward, preserve",
                 plugin["preserve, patched"], reference["by-dtype"], "fully_shard_by_dtype"),
     ]
-    for line, _ in lines:
-        print(line)
+    for comparison, _ in lines:
+        print("\n".join(comparison))
     refusal = results["late"].get("refused", "")
     refused = "torch_fsdp_ext refuses" in refusal
     print(f"{LABEL}: NeMo's foreach_reduce patch after the first step, preserve: "

@@ -38,7 +38,7 @@ import tempfile
 import torch
 
 from _jobs import ASSERTION, launch_job, launch_jobs, run_tool  # this script's folder
-from _model import VOCAB, lm_loss, tokens, train_steps
+from _model import VOCAB, compare, full_params, gathered_losses, lm_loss, losses_text, tokens, train_steps
 
 STEPS = 3
 LORA_ERROR = "expected m1 and m2 to have the same dtype"
@@ -113,7 +113,7 @@ def job(variant: str, root: str, result_path: str) -> None:
     training.load_from_full_model_state_dict(model, dict(full_sd), torch.device("cpu"), strict=True)
 
     optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-2)
-    losses = train_steps(model, optimizer, rank, range(STEPS))
+    losses = gathered_losses(train_steps(model, optimizer, rank, range(STEPS)))
 
     # The reference for the first step: the checkpoint in an unsharded model with the same dtypes, one process
     # (built under the recipe's default dtype, as its RoPE cache was). LoRA's lora_b starts at zero, so there the
@@ -127,12 +127,19 @@ def job(variant: str, root: str, result_path: str) -> None:
     unsharded.load_state_dict({name: tensor for name, tensor in full_sd.items() if "lora_" not in name})
     with torch.no_grad():
         first_reference = lm_loss(unsharded(tokens(rank, 0)), tokens(rank, 0))
-    first_equal = torch.tensor(int(torch.equal(losses[0], first_reference)))
-    dist.all_reduce(first_equal, op=dist.ReduceOp.MIN)
+    first_references = gathered_losses([first_reference])[0]
     not_fp32 = [name for name, param in model.named_parameters() if param.dtype != torch.float32]
+    params = full_params(model)
     if rank == 0:
-        torch.save({"losses": losses, "first_equal_on_every_rank": bool(first_equal), "not_fp32": not_fp32},
+        torch.save({"losses": losses, "params": params, "first_references": first_references,
+                    "first_equal_on_every_rank": torch.equal(losses[0], first_references), "not_fp32": not_fp32},
                    result_path)
+
+
+def first_loss_lines(label: str, result: dict, name: str, reference_name: str) -> list[str]:
+    """Each rank's step-1 loss: ``name``'s and the unsharded reference's."""
+    return [f"{label}:   rank {rank} losses: {name} {losses_text(result['losses'][:1, rank])}; {reference_name} "
+            f"{losses_text(result['first_references'][rank:rank + 1])}" for rank in range(result["losses"].shape[1])]
 
 
 def main() -> int:
@@ -152,9 +159,9 @@ def main() -> int:
     first = "bit for bit" if plugin["first_equal_on_every_rank"] else "DIFFERENT"
     print(f"{label}: plugin vs the checkpoint unsharded in its loaded dtypes (one process), step 1 loss on every "
           f"rank: {first}")
-    print(f"{label}: plugin vs model.float() (all fp32 compute), rank 0 losses: "
-          f"{', '.join(f'{loss.item():.6f}' for loss in plugin['losses'])} vs "
-          f"{', '.join(f'{loss.item():.6f}' for loss in workaround['losses'])}")
+    print("\n".join(first_loss_lines(label, plugin, "plugin", "unsharded")))
+    lines, _ = compare(label, plugin, workaround, "model.float() (all fp32 compute)")
+    print("\n".join(lines))
     print(f"{label}: parameters not fp32 after the plugin's steps: {', '.join(plugin['not_fp32']) or 'none'}")
     ok = failed and plugin["first_equal_on_every_rank"] and not plugin["not_fp32"]
 
@@ -170,10 +177,11 @@ def main() -> int:
         print(f"{label}: fp32 LoRA on a frozen bf16 base, {name}: "
               f"{'RuntimeError: ' + LORA_ERROR if outcomes[variant] else 'NO ERROR'}")
     trains = process.returncode == 0 and compute is not None and compute["first_equal_on_every_rank"]
-    losses = ", ".join(f"{loss.item():.6f}" for loss in compute["losses"]) if compute else "-"
-    print(f"{label}: fp32 LoRA on a frozen bf16 base, plugin with TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE=lora_a,lora_b: "
-          f"{'trains' if trains else 'FAILS'}, step 1 loss on every rank bit for bit with the bf16 base unsharded "
-          f"(rank 0 losses {losses})")
+    print(f"{label}: fp32 LoRA on a frozen bf16 base, plugin with TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE=lora_a,"
+          f"lora_b: {'trains' if trains else 'FAILS'}, step 1 loss on every rank bit for bit with the bf16 base "
+          "unsharded")
+    if compute is not None:
+        print("\n".join(first_loss_lines(label, compute, "plugin", "unsharded bf16 base")))
     if not trains:
         print(process.stdout + process.stderr)
     return 0 if ok and all(outcomes.values()) and trains else 1

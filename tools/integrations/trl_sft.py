@@ -29,13 +29,17 @@ With ``bf16=False`` (accelerate's ``mixed_precision: "no"``) nothing casts:
   ``--compute-in-loaded-dtype auto``): the norms the model's ``_keep_in_fp32_modules_strict`` names compute in fp32
   with casts at their boundaries, the linears in bf16; it trains;
 - ``nomp-float``: ``model.float()`` before the trainer: everything computes in fp32, so its losses and parameters
-  differ from ``nomp-auto``'s by design (the figure is printed, not required equal).
+  differ from ``nomp-auto``'s by design (the figures are printed, not required equal);
+- ``nomp-stock``: the stock ``LlamaForCausalLM`` (it lists no fp32 modules, so ``auto`` selects nothing): loaded
+  with ``dtype=torch.bfloat16`` it casts the checkpoint's fp32 norms to bf16 (counted); the norms are then made fp32
+  by hand and the plugin runs with the norm class named, ``TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE=LlamaRMSNorm``.
 
 Exit status 1 unless: every ``mp-*`` job trains and they are equal bit for bit (both ranks' losses at every step and
 every full parameter), ``nomp-plain`` fails with the assertion, ``nomp-plugin`` with the dtype error, ``nomp-auto``
 trains with every parameter fp32 after its steps, and its step-1 loss on each rank equals ``mp-plain``'s bit for bit
 (the norm weights start at 1, so an fp32 norm cast back to bf16 computes what the bf16 policy's norm computes; later
-steps differ: ``mp-plain`` reduces gradients in bf16 and computes the norms with bf16 copies of their weights).
+steps differ: ``mp-plain`` reduces gradients in bf16 and computes the norms with bf16 copies of their weights), the
+stock class loads no fp32 parameter, and ``nomp-stock`` equals ``nomp-auto`` bit for bit.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import torch
 
 from _accelerate import accelerate_fsdp_on_cpu  # this script's folder
 from _jobs import ASSERTION, launch_job, run_tool
+from _model import compare
 
 STEPS, BATCH, WORDS = 3, 2, 12
 VOCAB = 32
@@ -95,13 +100,18 @@ def job(variant: str, root: str, result_path: str) -> None:
     """One rank of a torchrun job; the plugin comes from the launcher where the variant has it."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
 
     accelerate_fsdp_on_cpu()
     checkpoint = os.path.join(root, "checkpoint")
-    model = mixed_llama_class().from_pretrained(checkpoint, dtype=torch.bfloat16)
+    stock = variant == "nomp-stock"
+    model = (LlamaForCausalLM if stock else mixed_llama_class()).from_pretrained(checkpoint, dtype=torch.bfloat16)
     loaded = {name: param.dtype for name, param in model.named_parameters()}
+    if stock:
+        for module in model.modules():
+            if type(module).__name__ == "LlamaRMSNorm":
+                module.float()
     if variant.endswith("float"):
         model.float()
     losses = []
@@ -134,39 +144,24 @@ def job(variant: str, root: str, result_path: str) -> None:
                     "fsdp": type(trainer.model).__name__}, result_path)
 
 
-def difference(result: dict, reference: dict) -> tuple[bool, str]:
-    """Whether both ranks' losses at every step and every full parameter are equal bit for bit, and a summary."""
-    names = reference["params"].keys()
-    equal = [n for n in names if n in result["params"] and torch.equal(result["params"][n], reference["params"][n])]
-    losses_equal = torch.equal(result["losses"], reference["losses"])
-    exact = losses_equal and len(equal) == len(names) and result["params"].keys() == names
-    if exact:
-        return True, f"bit for bit (both ranks' losses, {len(equal)}/{len(names)} params)"
-    loss_diff = (result["losses"] - reference["losses"]).abs().max().item()
-    param_diff = max((result["params"][n].float() - reference["params"][n].float()).abs().max().item() for n in names)
-    return False, (f"max abs diff losses {loss_diff:.2e}, params {param_diff:.2e} "
-                   f"({len(equal)}/{len(names)} params equal)")
-
-
-def rank0_losses(result: dict) -> str:
-    return ", ".join(f"{loss:.6f}" for loss in result["losses"][:, 0].tolist())
-
-
 def main() -> int:
     from importlib.metadata import version
 
+    variants = ("mp-plain", "mp-plugin", "mp-float", "nomp-plain", "nomp-plugin", "nomp-auto", "nomp-float",
+                "nomp-stock")
+    selected = {"nomp-auto": "auto", "nomp-stock": "LlamaRMSNorm"}  # TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE
     results, processes = {}, {}
     with tempfile.TemporaryDirectory() as root:
         save_checkpoint(os.path.join(root, "checkpoint"))
-        for variant in ("mp-plain", "mp-plugin", "mp-float", "nomp-plain", "nomp-plugin", "nomp-auto", "nomp-float"):
-            plugin = variant.endswith(("plugin", "auto"))
-            settings = {"TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE": "auto"} if variant.endswith("auto") else None
+        for variant in variants:
+            plugin = variant.endswith("plugin") or variant in selected
+            settings = {"TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE": selected[variant]} if variant in selected else None
             processes[variant], results[variant] = launch_job(__file__, variant, root, through_launcher=plugin,
                                                               torchrun=True, settings=settings)
     print(f"torch {torch.__version__}, trl {version('trl')}, transformers {version('transformers')}, "
           f"accelerate {version('accelerate')}, 2 gloo ranks, {STEPS} steps")
     ok = True
-    for variant in ("mp-plain", "mp-plugin", "mp-float", "nomp-auto", "nomp-float"):
+    for variant in ("mp-plain", "mp-plugin", "mp-float", "nomp-auto", "nomp-float", "nomp-stock"):
         if results[variant] is None:
             print(processes[variant].stdout[-4000:] + processes[variant].stderr[-8000:])
             print(f"{LABEL}: the {variant} job failed (exit {processes[variant].returncode})")
@@ -180,11 +175,12 @@ def main() -> int:
           f"the trainer's model {results['mp-plain']['fsdp']}")
     ok = len(fp32) == 5 and all("norm" in name for name in fp32)
 
-    exact_plugin, line = difference(results["mp-plugin"], results["mp-plain"])
-    print(f"{LABEL}: bf16=True, without plugin: trains (losses {rank0_losses(results['mp-plain'])})")
-    print(f"{LABEL}: bf16=True, plugin vs without: {line}")
-    exact_float, line = difference(results["mp-float"], results["mp-plain"])
-    print(f"{LABEL}: bf16=True, model.float() vs without plugin: {line}")
+    print(f"{LABEL}: bf16=True, without plugin: trains")
+    plugin_lines, exact_plugin = compare(f"{LABEL}: bf16=True", results["mp-plugin"], results["mp-plain"],
+                                         "without plugin")
+    float_lines, exact_float = compare(f"{LABEL}: bf16=True", results["mp-float"], results["mp-plain"],
+                                       "without plugin", result_name="model.float()")
+    print("\n".join(plugin_lines + float_lines))
 
     def failed_with(variant: str, text: str) -> bool:
         process = processes[variant]
@@ -194,7 +190,7 @@ def main() -> int:
     print(f"{LABEL}: bf16=False, without plugin: {'AssertionError: ' + ASSERTION if asserted else 'NO ASSERTION'}")
     mismatched = failed_with("nomp-plugin", DTYPE_ERROR)
     print(f"{LABEL}: bf16=False, plugin: {'RuntimeError: ' + DTYPE_ERROR if mismatched else 'NO ERROR'}")
-    auto, reference = results["nomp-auto"], results["nomp-float"]
+    auto = results["nomp-auto"]
     not_fp32 = [name for name, param in auto["params"].items() if param.dtype != torch.float32]
     print(f"{LABEL}: bf16=False, plugin with TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE=auto: trains, "
           f"parameters not fp32: {', '.join(not_fp32) or 'none'}")
@@ -202,12 +198,21 @@ def main() -> int:
     # what the bf16 policy's norm gives: the forward is bf16=True's, bit for bit, the rank's batch being the same.
     first_exact = torch.equal(auto["losses"][0], results["mp-plain"]["losses"][0])
     print(f"{LABEL}: bf16=False, plugin with auto vs bf16=True, step 1 loss on both ranks: "
-          f"{'bit for bit' if first_exact else 'DIFFERENT'}")
-    print(f"{LABEL}: bf16=False, rank 0 losses: plugin with auto {rank0_losses(auto)}; "
-          f"model.float() {rank0_losses(reference)}")
-    _, line = difference(auto, reference)
-    print(f"{LABEL}: bf16=False, plugin with auto vs model.float() (all fp32 compute): {line}")
-    return 0 if ok and exact_plugin and exact_float and asserted and mismatched and not not_fp32 and first_exact else 1
+          f"{'bit for bit' if first_exact else 'differs'}")
+    lines, _ = compare(f"{LABEL}: bf16=False", auto, results["nomp-float"], "model.float() (all fp32 compute)",
+                       result_name="plugin with auto")
+    print("\n".join(lines))
+
+    stock_loaded = results["nomp-stock"]["loaded"]
+    stock_fp32 = sum(dtype == torch.float32 for dtype in stock_loaded.values())
+    print(f"{LABEL}: bf16=False, stock LlamaForCausalLM: loaded with dtype=torch.bfloat16: {stock_fp32} fp32 "
+          f"parameters (the checkpoint's {len(fp32)} fp32 norm weights arrive bf16)")
+    lines, exact_stock = compare(f"{LABEL}: bf16=False, stock LlamaForCausalLM, norms made fp32 by hand",
+                                 results["nomp-stock"], auto, "plugin with auto",
+                                 result_name="plugin with LlamaRMSNorm named")
+    print("\n".join(lines))
+    ok &= exact_plugin and exact_float and asserted and mismatched and not not_fp32 and first_exact
+    return 0 if ok and stock_fp32 == 0 and exact_stock else 1
 
 
 if __name__ == "__main__":
