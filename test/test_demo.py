@@ -1,5 +1,6 @@
 """``python -m torch_fsdp_ext demo``, run as README.md prints it: the failure without the plugin, the losses with
-it, and the release checkpoint in BF16 with the router in F32."""
+it, the release checkpoint in BF16 with the router in F32, and no deprecation warning caused by the plugin's code
+(test/test_own_warnings.py's check)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import unittest
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 from common import HAS_DTYPE_BUG, ROOT
+from test_own_warnings import run_logged
 
 DEMO_EXTRAS = all(importlib.util.find_spec(name) for name in ("accelerate", "transformers"))
 
@@ -43,22 +45,27 @@ def readme_line(pattern: str) -> str:
     return lines[0]
 
 
-def run_demo(extra_path: str | None = None) -> subprocess.CompletedProcess:
+def demo_command() -> list[str]:
     command = shlex.split(readme_line(r"-m torch_fsdp_ext demo"))
     assert command[0] == "python", command
+    return [sys.executable, *command[1:]]
+
+
+def run_demo(extra_path: str) -> subprocess.CompletedProcess:
+    """The demo with ``extra_path`` (a folder holding a sitecustomize.py) first on the import path."""
     path = [extra_path, ROOT, os.environ.get("PYTHONPATH")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
     env.pop("TORCH_FSDP_EXT_DISABLE", None)
     with tempfile.TemporaryDirectory() as cwd:
-        return subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, env=env, cwd=cwd,
-                              timeout=300)
+        return subprocess.run(demo_command(), capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
 
 
 class TestDemo(TestCase):
     @unittest.skipUnless(DEMO_EXTRAS, "the demo needs accelerate and transformers (pip install -e '.[demo]')")
     def test_readme_demo_command(self):
-        result = run_demo()
+        result, deprecations = run_logged(demo_command())
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr[-4000:])
+        self.assertEqual(deprecations, "")
         lines = result.stdout.splitlines()
         without = next(line for line in lines if line.startswith("without the plugin: "))
         if HAS_DTYPE_BUG:

@@ -117,6 +117,11 @@ def _rank_main(rank: int, init_file: str, result_file: str, out_dir: str) -> Non
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
     # The upcast's cost warning is meant for real training runs; this one is the demonstration of it.
     logging.getLogger("torch_fsdp_ext").setLevel(logging.ERROR)
+    # Note: save_pretrained's progress bar (tqdm) makes a multiprocessing lock that a rank ending with os._exit
+    # never releases, and the parent's resource tracker then warns of a leaked semaphore.
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
     results: dict = {}
     try:
         accelerator, fsdp_plugin = _accelerator()
