@@ -36,6 +36,9 @@ setup(
     # Never force a torch upgrade: any release from 2.5 on is accepted as installed.
     install_requires=["torch>=2.5"],
     extras_require={
+        # What python -m torch_fsdp_ext demo needs (a tiny DeepSeek-V3 through accelerate's FSDP2 path): the
+        # releases the test extra holds. Neither installs or replaces torch where torch>=2.5 is installed.
+        "demo": ["transformers>=5.23.0", "accelerate>=1.15.0"],
         # Only for running the test suite (python -m pytest test -q): the libraries its integration
         # tests train with (test/test_integration.py, test/test_upcast_contract.py and
         # test/test_integrations_tools.py skip without them). lightning is the release

@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     doctor_parser.add_argument("--world-size", type=int, default=2, help="ranks for the self-test (default 2)")
     commands.add_parser("status", help="what this torch needs and what is active (no self-test)")
+    commands.add_parser(
+        "demo", help="a tiny DeepSeek-V3 through accelerate's FSDP2 path on 2 CPU ranks, without and with the plugin"
+    )
     export_parser = commands.add_parser(
         "export", help="a DCP training checkpoint's model as safetensors in the dtypes it was loaded in"
     )
@@ -40,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         from ._doctor import doctor
 
         return doctor(world_size=args.world_size)
+    if args.command == "demo":
+        from ._demo import demo
+
+        return demo()
     if args.command == "export":
         from ._dtype._loaded_dtypes import ExportError, export
 

@@ -750,6 +750,19 @@ def accelerator_device_type() -> str | None:
     return "cuda" if torch.cuda.is_available() else None
 
 
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any = None) -> None:
+    """Every rank's ``input`` gathered along dim 0 into ``output`` (a public collective, under two names).
+
+    Note: ``torch.distributed.all_gather_single`` is the name from 2.13 on, where ``all_gather_into_tensor``
+    became its alias, deprecated with a FutureWarning on every call in 2.13 and 2.14; releases before 2.13
+    have only ``all_gather_into_tensor``. The name is looked up, not the version compared.
+    """
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
+
+
 def current_graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 

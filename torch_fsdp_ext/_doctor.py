@@ -7,11 +7,7 @@ absence of an exception.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
-import time
 import traceback
 from dataclasses import dataclass
 
@@ -22,6 +18,7 @@ import torch.nn as nn
 from . import _compat
 from ._dtype._plan import MixedParamDtypeError
 from ._install import FIX_NAMES, install, status, uninstall
+from ._local_ranks import run_local_ranks, write_result
 from ._rank_end import end_rank
 from ._report import NEEDED_LEGEND, format_table, needed_word, plugin_does
 
@@ -123,7 +120,7 @@ def _outcome(fn, device: torch.device, strategy: str) -> str:
     return "ok"
 
 
-def _rank_main(rank: int, backend: Backend, strategy: str, init_file: str, result_file: str) -> None:
+def _rank_main(rank: int, init_file: str, result_file: str, backend: Backend, strategy: str) -> None:
     device = torch.device(backend.device_type, rank) if backend.device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -147,46 +144,12 @@ def _rank_main(rank: int, backend: Backend, strategy: str, init_file: str, resul
     except Exception:  # noqa: BLE001
         results["error"] = traceback.format_exc()
     if rank == 0:
-        with open(result_file + ".part", "w") as f:
-            json.dump(results, f)
-        os.replace(result_file + ".part", result_file)
+        write_result(result_file, results)
     end_rank(wait_for_peers="error" not in results)
 
 
-# torch's warning when it is imported without numpy, as a PYTHONWARNINGS entry.
-NUMPY_WARNING_FILTER = "ignore:Failed to initialize NumPy:UserWarning"
-
-
 def run_self_test(backend: Backend, strategy: str, timeout: float = 120.0) -> dict:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file, result_file = os.path.join(tmp, "init"), os.path.join(tmp, "result.json")
-        # Note: a spawned rank imports torch before the plugin; the variable it inherits keeps
-        # torch's warning about numpy, which the self-test never uses, out of the report.
-        inherited = os.environ.get("PYTHONWARNINGS")
-        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [inherited, NUMPY_WARNING_FILTER]))
-        try:
-            context = mp.start_processes(
-                _rank_main, args=(backend, strategy, init_file, result_file), nprocs=backend.world_size,
-                start_method="spawn", join=False,
-            )
-        finally:
-            if inherited is None:
-                del os.environ["PYTHONWARNINGS"]
-            else:
-                os.environ["PYTHONWARNINGS"] = inherited
-        deadline = time.monotonic() + timeout
-        try:
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    for process in context.processes:
-                        process.kill()
-                    return {"error": f"self-test did not finish within {timeout:.0f} s"}
-        except mp.ProcessExitedException as e:
-            return {"error": f"a self-test rank did not end cleanly: {e}"}
-        with open(result_file) as f:
-            return json.load(f)
+    return run_local_ranks(_rank_main, (backend, strategy), backend.world_size, timeout)
 
 
 # -- report --------------------------------------------------------------------------

@@ -128,14 +128,14 @@ def _gather_dim0_in_dtype(local: torch.Tensor, shape: torch.Size, dtype: torch.d
     slot = out.narrow(0, rank * rows, rows)
     slot.narrow(0, 0, local.shape[0]).copy_(local)
     if device.type != "cpu":
-        dist.all_gather_into_tensor(out, slot, group=group)
+        _compat.all_gather_single(out, slot, group=group)
         return out.narrow(0, 0, shape[0])
     row_bytes = max(1, out[0].numel() * out.element_size()) if rows else 1
     step = max(1, _CPU_PIECE_BYTES // (world * row_bytes))
     for start in range(0, rows, step):
         count = min(step, rows - start)
         piece = torch.empty((world * count, *shape[1:]), dtype=dtype, device=device)
-        dist.all_gather_into_tensor(piece, slot.narrow(0, start, count), group=group)
+        _compat.all_gather_single(piece, slot.narrow(0, start, count), group=group)
         for source in range(world):
             if source != rank:
                 out.narrow(0, source * rows + start, count).copy_(piece.narrow(0, source * count, count))
