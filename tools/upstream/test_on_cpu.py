@@ -26,6 +26,7 @@ import sys
 from unittest import mock
 
 import torch.distributed as dist
+import torch.multiprocessing
 from torch.testing._internal import common_device_type, common_distributed
 from torch.testing._internal.common_fsdp import FSDPTest, FSDPTestMultiThread
 
@@ -45,6 +46,12 @@ class _GlooOnCPU(EndOnRankDeath):
     @property
     def world_size(self) -> int:
         return WORLD_SIZE
+
+    def _spawn_processes(self) -> None:
+        # Note: forked, not spawned: a spawned rank re-imports torch and the test module
+        # before every test, most of a small test's time on a loaded machine. The parent
+        # uses no accelerator, so forking is safe here.
+        self._start_processes(torch.multiprocessing.get_context("fork").Process)
 
     @classmethod
     def _run(cls, rank, test_name, file_name, pipe, **kwargs):  # type: ignore[override]
