@@ -1,41 +1,45 @@
-"""Prove that each upstream PR alone fixes its failure, without touching the installed torch.
+"""Prove that each upstream PR alone fixes its failure, and the stack, without touching the installed torch.
 
     python tools/upstream/check.py            # on torch 2.15.0, the release the patches are against
-    python tools/upstream/check.py -k parity  # extra pytest arguments go to every patched run
-    python tools/upstream/check.py --patch pr1-mixed-orig-dtypes.patch  # that patch's step only
+    python tools/upstream/check.py --patch pr2a-checkpoint-current-device-rng.patch  # one step (or: stack)
+    python tools/upstream/check.py --gpu      # only what needs an accelerator (gpu_check.sh runs it)
+    python tools/upstream/check.py -x         # other arguments go to every pytest run of the patches
 
-For each patch in ``PATCHES``:
+The patches (``PATCHES``; each touches its own files, so they apply in any order):
 
-1. copies the installed torch's sources the patches change (``SOURCES``: the FSDP2 package
-   ``torch/distributed/fsdp/_fully_shard`` and ``torch/utils/checkpoint.py``) into a
-   temporary directory, with the upstream test files its test hunks change
-   (``Patch.bases``: each the exact text of that file at ``UPSTREAM_COMMIT``, stored here,
-   since torch does not ship its tests),
-2. checks that the patch applies (``git apply --check``); for a patch with
-   ``unpatched_error``, applies only its test hunks first and runs its selected tests on
-   the unpatched torch: each must fail with that error,
-3. applies the patch and runs, with those modules imported from the patched copy (a
-   ``sitecustomize`` there redirects them in every test process) and the plugin disabled:
-   the patch's test file as torch's harness runs it (only with an accelerator: see
-   ``NO_ACCELERATOR``), the same tests on CPU with gloo (``test_on_cpu.py``), and the
-   patch's project tests. Tests of the plugin's own machinery are skipped in that run
-   (``plugin_specific`` in test/common.py).
+- PR 1, ``pr1-mixed-orig-dtypes.patch``: FSDP2 groups with mixed original dtypes; its tests go
+  into torch's ``test_fully_shard_mixed_precision.py``;
+- PR 2a, ``pr2a-checkpoint-current-device-rng.patch``: checkpoint restores the current
+  accelerator's RNG state for regions whose tensor arguments are not on it; tests in
+  ``test/test_utils.py``;
+- PR 2b, ``pr2b-fsdp-recompute-input-move.patch``: FSDP2 replays the root's input move in
+  recomputation and keeps nested inputs where they are; a new test file. Stacked on 2a.
 
-Then:
+For each patch alone:
 
-- ``test_recompute_inputs_on_cpu.py`` on the installed, unpatched torch: the tests it names
-  in ``FIXED`` must fail there (PR 2 fixes them), every other one must pass (PR 2 gives
-  what unpatched torch gives there);
-- the stack: the patches apply one after the other on one copy;
-- for information only (never a failure): torch's gloo teardown abort, counted by
-  ``gloo_exit_abort_repro.py --runs GLOO_RUNS`` if that script is present.
+1. copies the installed torch's sources the patches change (``SOURCES``) into a temporary
+   directory, with the upstream test files its test hunks change (``Patch.bases``: each the
+   exact text of that file at an upstream commit, stored here, since torch does not ship its
+   tests), and checks that the patch applies (``git apply --check``);
+2. PR 1: applies its test hunks alone and runs its new tests on the unpatched torch (each must
+   fail with ``Patch.unpatched_error``), then applies the rest;
+3. runs, with those modules imported from the patched copy (a ``sitecustomize`` there redirects
+   them in every test process) and the plugin disabled: its tests as torch's harness runs them
+   where there is an accelerator (2b only on the stack); PR 1's whole test file on CPU with
+   gloo ranks (``test_on_cpu.py``), where a failing test must fail on unpatched torch too (it
+   is rerun there); PR 2a's ``TestCheckpoint``; PR 2b's test file (it skips without an
+   accelerator); and, for 2a and 2b, the CPU scenarios with a stand-in accelerator
+   (``test_recompute_inputs_on_cpu.py``; the tests needing the other patch skip).
+
+Then the stand-in scenarios on the installed, unpatched torch (the tests in their ``NEEDS`` must
+fail, the others pass); the stack: all patches on one copy, the stand-in scenarios and the
+project tests ``STACK_PROJECT_TESTS``; and, for information only
+(never a failure), torch's gloo teardown abort, counted by ``gloo_exit_abort_repro.py``.
 
 Exits non-zero if any step fails; the summary names each failed step and test (with its
-exception line, e.g. a rank's assertion or a timeout) and how long each step took.
-
-Timeouts are explicit and generous, since CI machines may be loaded: each
-multi-process test (all subtests of a torch-style test run in one) may take
-``TEST_TIMEOUT_S`` before its processes are killed and it fails as timed out.
+exception line, e.g. a rank's assertion or a timeout) and how long each step took. Each
+multi-process test may take ``TEST_TIMEOUT_S``; a rank that dies ends its test at once
+(``rank_exit.py``).
 """
 
 from __future__ import annotations
@@ -56,8 +60,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 # The installed torch's sources the patches change, relative to torch's repository root
 SOURCES = ("torch/distributed/fsdp/_fully_shard", "torch/utils/checkpoint.py")
-# The pytorch/pytorch commit whose test files are stored here for the patches' test hunks
-UPSTREAM_COMMIT = "003a6c0a80952ae0ecfe7827b7b0d3c0515e4d25"
+# The pytorch/pytorch commits of the test files stored here for the patches' test hunks
+UPSTREAM_TEST_COMMITS = {
+    "upstream_test_fully_shard_mixed_precision.py": "003a6c0a80952ae0ecfe7827b7b0d3c0515e4d25",
+    "upstream_test_utils.py": "0025348e03d0307b815c0043b702e2a64c2ef752",
+}
 BASE_RELEASE = "2.15.0"
 # Seconds one multi-process test may run (torch's default is 300; a torch-style test with
 # all its subtests takes about a minute on a loaded 2-core machine).
@@ -65,47 +72,70 @@ TEST_TIMEOUT_S = 900
 
 
 class Patch(NamedTuple):
+    name: str  # as the summary names it
     file: str  # in tools/upstream/
-    upstream_test: str  # the test file the patch changes, relative to torch's repository root
-    project_tests: tuple[str, ...]  # relative to this repository's root
-    # Whether the upstream test's devices only stand for ranks: then test_on_cpu.py runs
-    # its skip_if_lt_x_gpu(n) tests with n gloo ranks on CPU
-    ranks_for_devices: bool
-    # Test files the patch changes (relative to torch's repository root), each with the
-    # file in tools/upstream/ (its text at UPSTREAM_COMMIT) laid there before the patch
+    # Test files the patch changes or adds, relative to torch's repository root; the first is
+    # run as torch's harness runs it where there is an accelerator
+    upstream_tests: tuple[str, ...]
+    # Test files the patch changes, each with the file in tools/upstream/ (its text at an
+    # upstream commit, since torch does not ship its tests) laid there before the patch
     bases: tuple[tuple[str, str], ...] = ()
-    # pytest -k expression: the tests of upstream_test that the patch adds (None: all)
-    select: str | None = None
-    # The error each selected test must fail with on unpatched torch; None: not run
+    # The tests the patch adds, as a pytest -k expression
+    new_tests: str | None = None
+    # The error each new test must fail with on unpatched torch (its test hunks alone)
     unpatched_error: str | None = None
+    # test_on_cpu.py runs the first upstream test file on CPU with gloo ranks (FSDPTest
+    # classes whose devices only stand for ranks), all of it, patched; a test failing there
+    # is rerun on unpatched torch (test hunks alone), where it must fail too
+    on_cpu_whole_file: bool = False
+    # The upstream test file run on CPU as it is (pytest -k), patched
+    on_cpu_k: str | None = None
+    # Its name in test_recompute_inputs_on_cpu.py's NEEDS ("2a", "2b"); None: not run there
+    stand_in: str | None = None
+    # Whether its tests pass under torch's harness with this patch alone (False: only on the stack)
+    harness_alone: bool = True
 
 
 MIXED_PRECISION_TEST = "test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py"
+UTILS_TEST = "test/test_utils.py"
+RECOMPUTE_INPUTS_TEST = "test/distributed/_composable/fsdp/test_fully_shard_recompute_inputs.py"
 
-# The stack, in order. Project tests: PR 1 has the semantics of dtype_strategy="preserve"
-# (test_preserve.py; test_dtype.py tests the plugin's upcast, which the native patch does
-# not do); PR 2 replays the root's input move (test_recompute.py, and the CPU version of
-# its own tests' scenarios).
+# Each patch alone on the installed torch's sources, then the stack, in this order.
 PATCHES = (
     Patch(
+        "PR 1",
         "pr1-mixed-orig-dtypes.patch",
-        MIXED_PRECISION_TEST,
-        ("test/test_preserve.py",),
-        ranks_for_devices=True,
+        (MIXED_PRECISION_TEST,),
         bases=((MIXED_PRECISION_TEST, "upstream_test_fully_shard_mixed_precision.py"),),
-        select="test_mixed_orig_dtypes or test_mixed_float8",
+        new_tests="test_mixed_orig_dtypes or test_mixed_float8",
         unpatched_error="FSDP expects uniform original parameter dtype",
+        on_cpu_whole_file=True,
     ),
     Patch(
-        "pr2-recompute-root-input-move.patch",
-        "test/distributed/_composable/fsdp/test_fully_shard_recompute_inputs.py",
-        ("test/test_recompute.py", "tools/upstream/test_recompute_inputs_on_cpu.py"),
-        ranks_for_devices=False,  # its test moves CPU inputs to a real accelerator
+        "PR 2a",
+        "pr2a-checkpoint-current-device-rng.patch",
+        (UTILS_TEST,),
+        bases=((UTILS_TEST, "upstream_test_utils.py"),),
+        new_tests="test_checkpoint_rng_gpu_cpu_args or test_checkpoint_rng_gpu_state_reads",
+        on_cpu_k="TestCheckpoint",
+        stand_in="2a",
+    ),
+    Patch(
+        "PR 2b",
+        "pr2b-fsdp-recompute-input-move.patch",
+        (RECOMPUTE_INPUTS_TEST,),
+        on_cpu_k="TestFullyShardRecomputeInputs",  # collects and skips: it needs an accelerator
+        stand_in="2b",
+        harness_alone=False,  # its root_with_dropout subtest needs PR 2a
     ),
 )
+# Project tests run against the stack: PR 1 has the semantics of dtype_strategy="preserve"
+# (test_preserve.py; test_dtype.py tests the plugin's upcast, which PR 1 does not do);
+# test_recompute.py's checkpoint flavours with the recompute replay of PR 2a + 2b.
+STACK_PROJECT_TESTS = ("test/test_preserve.py", "test/test_recompute.py")
 
-# Run on the installed, unpatched torch: its FIXED tests must fail, the others pass
-PR2_CPU_TEST = "tools/upstream/test_recompute_inputs_on_cpu.py"
+# PR 2a's and 2b's scenarios on CPU with a stand-in accelerator
+STAND_IN_TEST = "tools/upstream/test_recompute_inputs_on_cpu.py"
 
 GLOO_REPRO = "gloo_exit_abort_repro.py"
 GLOO_RUNS = 3
@@ -137,12 +167,6 @@ class _Patched(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, _Patched())
 '''
-
-
-# Note: the PR tests size their world by the accelerator count, as torch's FSDP tests do, so
-# on a machine without one MultiProcessTestCase spawns no process and reports a pass; with a
-# fixed world size, FSDPTest._run exits with the "multi-device" skip.
-NO_ACCELERATOR = "no accelerator here (its world size would be 0: no test process, reported as passed)"
 
 
 def accelerator_count() -> int:
@@ -191,12 +215,12 @@ EXCEPTION_LINE = re.compile(r"^\s*(?:E\s+)?((?:\w+\.)*\w*(?:Error|Exception)\w*:
 
 
 def test_results(junit_xml: str) -> dict[str, str | None]:
-    """Each test of a pytest run: None if it passed or was skipped, else its (last) exception line."""
+    """Each test of a pytest run by name: None if it passed or was skipped, else its (last) exception line."""
     if not os.path.exists(junit_xml):
         return {}
     results: dict[str, str | None] = {}
     for case in ET.parse(junit_xml).iter("testcase"):
-        name = f"{case.get('classname')}::{case.get('name')}"
+        name = case.get("name")
         results[name] = None
         for problem in (*case.iter("failure"), *case.iter("error")):
             text = f"{problem.get('message') or ''}\n{problem.text or ''}"
@@ -204,10 +228,10 @@ def test_results(junit_xml: str) -> dict[str, str | None]:
     return results
 
 
-def test_env(tmp: str | None, patch: Patch | None = None, patched: bool = True) -> dict[str, str]:
-    """The environment of a test run against the sources patched in ``tmp`` (the installed ones
-    if not ``patched``), with ``patch``'s test file (in ``tmp``) for ``test_on_cpu.py``."""
-    if patched:
+def test_env(tmp: str | None, applied: tuple[str, ...] | None = None, test_file: str | None = None) -> dict[str, str]:
+    """The environment of a test run against the sources patched in ``tmp`` (the installed ones if
+    ``tmp`` is None); ``applied``: the stand-in test's patch names; ``test_file``: test_on_cpu.py's."""
+    if tmp is not None:
         with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
             f.write(REDIRECT)
     env = dict(
@@ -216,11 +240,13 @@ def test_env(tmp: str | None, patch: Patch | None = None, patched: bool = True) 
         TORCH_FSDP_EXT_TESTS_UPSTREAM_ONLY="1",
         TORCH_FSDP_EXT_TEST_TIMEOUT=str(TEST_TIMEOUT_S),
         PYTORCH_PRINT_REPRO_ON_FAILURE="0",
+        UPSTREAM_TEST_RANKS_FOR_DEVICES="1",
     )
-    if patch is not None:
-        env["UPSTREAM_TEST_FILE"] = os.path.join(tmp, patch.upstream_test)
-        env["UPSTREAM_TEST_RANKS_FOR_DEVICES"] = "1" if patch.ranks_for_devices else "0"
-    python_path = (tmp if patched else None, ROOT, os.environ.get("PYTHONPATH"))
+    if applied is not None:
+        env["UPSTREAM_PATCHES_APPLIED"] = ",".join(applied)
+    if test_file is not None:
+        env["UPSTREAM_TEST_FILE"] = test_file
+    python_path = (tmp, ROOT, os.environ.get("PYTHONPATH"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in python_path if p)
     return env
 
@@ -234,12 +260,11 @@ def pytest(tests: list[str], env: dict[str, str], junit_xml: str, pytest_args: l
     return test_results(junit_xml)
 
 
-def run_tests(tests: list[str], env: dict[str, str], junit_xml: str, pytest_args: list[str]) -> list[str]:
-    """Runs ``tests`` with pytest; returns the failed tests (empty when all passed)."""
-    results = pytest(tests, env, junit_xml, pytest_args)
+def failed_tests(results: dict[str, str | None], what: str) -> list[str]:
+    """The failed tests of ``results`` (empty when all passed)."""
     if not results:
-        return ["pytest reported no test"]
-    return [f"pytest: {name} ({reason})" for name, reason in results.items() if reason is not None]
+        return [f"{what}: pytest reported no test"]
+    return [f"{what}: {name} ({reason})" for name, reason in results.items() if reason is not None]
 
 
 def must_fail(results: dict[str, str | None], where: str, error: str | None = None) -> list[str]:
@@ -255,92 +280,202 @@ def must_fail(results: dict[str, str | None], where: str, error: str | None = No
     ]
 
 
+def is_new_test(patch: Patch, name: str) -> bool:
+    return patch.new_tests is not None and any(t.strip() in name for t in patch.new_tests.split(" or "))
+
+
+def check_imports_patched(tmp: str, env: dict[str, str]) -> list[str]:
+    where = subprocess.run(
+        [
+            sys.executable, "-c",
+            "import torch.distributed.fsdp._fully_shard._fsdp_state as m, torch.utils.checkpoint as c; "
+            "print(m.__file__); print(c.__file__)",
+        ],
+        env=env, capture_output=True, text=True,
+    )
+    files = where.stdout.split()
+    if where.returncode != 0 or len(files) != 2 or not all(f.startswith(tmp) for f in files):
+        return [f"import from the patched copy: {where.stdout.strip() or where.stderr.strip()[-500:]}"]
+    print(f"imported from the patched copy: {', '.join(files)}")
+    return []
+
+
+# New tests that skip on CPU with gloo (the file's NCCL guards): they neither fail unpatched
+# nor run patched here; the GPU script runs them.
+SKIPPED_ON_CPU = {"pr1-mixed-orig-dtypes.patch": ("test_mixed_orig_dtypes_bf16_reduce",)}
+
+
+def compare_whole_file(patch: Patch, patched: dict, rerun_unpatched) -> list[str]:
+    """The whole upstream test file on CPU with the patch: no test may fail unless it fails
+    on unpatched torch too (``rerun_unpatched(names)`` runs those there, with the new tests)."""
+    failing = [name for name, reason in patched.items() if reason is not None]
+    if not failing:
+        return []
+    unpatched = rerun_unpatched(failing)
+    failed = []
+    for name in failing:
+        if not is_new_test(patch, name) and unpatched.get(name) is not None:
+            print(f"  {name}: fails on unpatched {BASE_RELEASE} too ({unpatched[name]})")
+        else:
+            failed.append(f"{name} fails with the patch ({patched[name]})")
+    return failed
+
+
 def check_patch(patch: Patch, pytest_args: list[str]) -> list[str]:
-    """Returns what failed (empty when the patch passed)."""
-    print(f"\n=== {patch.file}")
-    missing = [test for test in patch.project_tests if not os.path.exists(os.path.join(ROOT, test))]
-    if missing:
-        return [f"project tests missing from this checkout: {', '.join(missing)}"]
+    """One patch alone on the installed torch's sources; returns what failed."""
+    print(f"\n=== {patch.name}: {patch.file}")
+    on_cpu = [os.path.join(HERE, "test_on_cpu.py")]
+    failed: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         copy_sources(tmp)
         lay_bases(patch, tmp)
-        on_cpu = [os.path.join(HERE, "test_on_cpu.py")]
-        on_cpu_args = ["-k", patch.select] if patch.select else []
-        failed = []
+        test_file = os.path.join(tmp, patch.upstream_tests[0])
+        unpatched_env = test_env(None, test_file=test_file)
         if patch.unpatched_error is not None:
             if not apply(patch.file, tmp, "--include=test/*"):
                 return ["git apply (its tests)"]
-            print(f"its tests on the unpatched torch ({installed_torch()}): each must fail")
+            print(f"its new tests on unpatched torch ({installed_torch()}): each must fail")
             unpatched = pytest(
-                on_cpu, test_env(tmp, patch, patched=False), os.path.join(tmp, "unpatched.xml"),
-                ["--tb=no", *on_cpu_args],
+                on_cpu, unpatched_env, os.path.join(tmp, "unpatched.xml"), ["--tb=line", "-k", patch.new_tests]
             )
+            skipped = SKIPPED_ON_CPU.get(patch.file, ())
+            unpatched = {name: reason for name, reason in unpatched.items() if name not in skipped}
             failed += must_fail(unpatched, "unpatched torch", patch.unpatched_error)
             if not apply(patch.file, tmp, "--exclude=test/*"):
                 return [*failed, "git apply (its torch changes)"]
         elif not apply(patch.file, tmp):
             return ["git apply"]
-        env = test_env(tmp, patch)
-        where = subprocess.run(
-            [
-                sys.executable, "-c",
-                "import torch.distributed.fsdp._fully_shard._fsdp_state as m, torch.utils.checkpoint as c; "
-                "print(m.__file__); print(c.__file__)",
-            ],
-            env=env, capture_output=True, text=True,
-        )
-        files = where.stdout.split()
-        if where.returncode != 0 or len(files) != 2 or not all(f.startswith(tmp) for f in files):
-            return [*failed, f"import from the patched copy: {where.stdout.strip() or where.stderr.strip()[-500:]}"]
-        print(f"applies; imported from the patched copy: {', '.join(files)}")
-        if accelerator_count() > 0:  # as torch's CI runs it
-            failed += run_tests(
-                [env["UPSTREAM_TEST_FILE"]], env, os.path.join(tmp, "upstream.xml"), [*on_cpu_args, *pytest_args]
-            )
+        env = test_env(tmp, applied=(patch.stand_in,) if patch.stand_in else None, test_file=test_file)
+        failed += check_imports_patched(tmp, env)
+        if failed:
+            return failed
+        if accelerator_count() > 0 and patch.harness_alone:
+            failed += run_harness(patch, test_file, env, tmp, pytest_args)
         else:
-            print(f"{patch.upstream_test} as torch's harness runs it: not run, {NO_ACCELERATOR}")
-        failed += run_tests(on_cpu, env, os.path.join(tmp, "on_cpu.xml"), [*on_cpu_args, *pytest_args])
-        tests = [os.path.join(ROOT, t) for t in patch.project_tests]
-        return failed + run_tests(tests, env, os.path.join(tmp, "junit.xml"), pytest_args)
+            print(f"{patch.upstream_tests[0]} as torch's harness runs it: not run here (see --gpu)")
+        if patch.on_cpu_whole_file:
+            print(f"the whole {patch.upstream_tests[0]} on CPU, patched")
+            patched = pytest(on_cpu, env, os.path.join(tmp, "on_cpu.xml"), ["--tb=short", *pytest_args])
+            print(f"  {len(patched)} tests, {sum(r is None for r in patched.values())} passed or skipped")
+            if not patched:
+                failed.append("the whole file on CPU: pytest reported no test")
 
+            def rerun_unpatched(names: list[str]) -> dict[str, str | None]:
+                print(f"  on unpatched torch: {', '.join(names)}")
+                k = " or ".join(names)
+                return pytest(on_cpu, unpatched_env, os.path.join(tmp, "rerun.xml"), ["--tb=line", "-k", k])
 
-def fixed_tests(test_file: str) -> tuple[str, ...]:
-    """The names in ``test_file``'s ``FIXED`` tuple (read, not imported: importing it sets up torch)."""
-    with open(test_file) as f:
-        tree = ast.parse(f.read())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["FIXED"]:
-            return tuple(ast.literal_eval(node.value))
-    raise ValueError(f"no FIXED in {test_file}")
-
-
-def check_pr2_cases_unpatched() -> list[str]:
-    """PR 2's CPU tests on the installed torch: those in FIXED must fail, the others pass."""
-    fixed_names = fixed_tests(os.path.join(ROOT, PR2_CPU_TEST))
-    print(f"\n=== {PR2_CPU_TEST} on unpatched torch ({installed_torch()}): {', '.join(fixed_names)} fail, the others pass")
-    with tempfile.TemporaryDirectory() as tmp:
-        results = pytest(
-            [os.path.join(ROOT, PR2_CPU_TEST)], test_env(None, patched=False), os.path.join(tmp, "junit.xml"),
-            ["--tb=line"],
-        )
-    fixed = {name: reason for name, reason in results.items() if name.rsplit("::", 1)[-1] in fixed_names}
-    failed = must_fail(fixed, "unpatched torch")
-    if len(fixed) != len(fixed_names):
-        failed.append(f"ran {len(fixed)} of the {len(fixed_names)} tests in FIXED")
-    failed += [f"pytest: {name} ({reason})" for name, reason in results.items() if name not in fixed and reason]
+            failed += compare_whole_file(patch, patched, rerun_unpatched)
+        if patch.on_cpu_k:
+            results = pytest([test_file], env, os.path.join(tmp, "k.xml"), ["-k", patch.on_cpu_k, *pytest_args])
+            failed += failed_tests(results, f"{patch.upstream_tests[0]} -k {patch.on_cpu_k}")
+        if patch.stand_in:
+            results = pytest([os.path.join(ROOT, STAND_IN_TEST)], env, os.path.join(tmp, "stand_in.xml"), pytest_args)
+            failed += failed_tests(results, STAND_IN_TEST)
     return failed
 
 
-def check_stack() -> list[str]:
+def run_harness(patch: Patch, test_file: str, env: dict[str, str], tmp: str, pytest_args: list[str]) -> list[str]:
+    """``patch``'s tests as torch's CI runs them (FSDP tests skip with fewer devices than they need)."""
+    k = ["-k", patch.new_tests] if patch.new_tests else []
+    print(f"{patch.upstream_tests[0]} {' '.join(k)} under torch's harness ({accelerator_count()} accelerators)")
+    results = pytest([test_file], env, os.path.join(tmp, f"harness_{patch.stand_in}.xml"), [*k, *pytest_args])
+    return failed_tests(results, f"{patch.name} under torch's harness")
+
+
+def check_gpu(pytest_args: list[str]) -> list[str]:
+    """What needs an accelerator: PR 2a's new tests fail on unpatched torch; on the stack, each
+    patch's tests under torch's harness. With 2 or more devices, PR 1's whole test file (NCCL):
+    a test failing there is rerun on unpatched torch (test hunks alone), where it must fail too."""
+    if accelerator_count() == 0:
+        return ["no accelerator here"]
+    pr1, pr2a = PATCHES[0], next(p for p in PATCHES if p.stand_in == "2a")
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory() as unpatched_tmp, tempfile.TemporaryDirectory() as tmp:
+        copy_sources(unpatched_tmp)
+        for patch in (pr1, pr2a):
+            lay_bases(patch, unpatched_tmp)
+            if not apply(patch.file, unpatched_tmp, "--include=test/*"):
+                return [f"{patch.file}: git apply (its tests)"]
+        print(f"\n=== {pr2a.name}'s new tests on unpatched torch ({installed_torch()}): each must fail")
+        results = pytest(
+            [os.path.join(unpatched_tmp, pr2a.upstream_tests[0])], test_env(None),
+            os.path.join(unpatched_tmp, "unpatched.xml"), ["-k", pr2a.new_tests],
+        )
+        failed += must_fail(results, "unpatched torch")
+        copy_sources(tmp)
+        for patch in PATCHES:
+            lay_bases(patch, tmp)
+            if not apply(patch.file, tmp):
+                return [*failed, f"{patch.file} on top of the ones before it"]
+        print("\n=== the stack under torch's harness")
+        env = test_env(tmp)
+        failed += check_imports_patched(tmp, env)
+        for patch in PATCHES:
+            test_file = os.path.join(tmp, patch.upstream_tests[0])
+            if not (patch.on_cpu_whole_file and accelerator_count() >= 2):
+                failed += run_harness(patch, test_file, env, tmp, pytest_args)
+                continue
+            print(f"the whole {patch.upstream_tests[0]} under torch's harness")
+            patched = pytest([test_file], env, os.path.join(tmp, "whole.xml"), pytest_args)
+
+            def rerun_unpatched(names: list[str], patch: Patch = patch) -> dict[str, str | None]:
+                return pytest(
+                    [os.path.join(unpatched_tmp, patch.upstream_tests[0])], test_env(None),
+                    os.path.join(unpatched_tmp, "rerun.xml"), ["-k", " or ".join(names)],
+                )
+
+            failed += compare_whole_file(patch, patched, rerun_unpatched)
+    return failed
+
+
+def needs(test_file: str) -> dict[str, tuple[str, ...]]:
+    """``test_file``'s ``NEEDS`` (read, not imported: importing it sets up torch)."""
+    with open(test_file) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["NEEDS"]:
+            return ast.literal_eval(node.value)
+    raise ValueError(f"no NEEDS in {test_file}")
+
+
+def check_stand_in_unpatched() -> list[str]:
+    """The stand-in tests on the installed torch: those in NEEDS must fail, the others pass."""
+    needing = needs(os.path.join(ROOT, STAND_IN_TEST))
+    print(f"\n=== {STAND_IN_TEST} on unpatched torch ({installed_torch()}): {', '.join(needing)} fail, the others pass")
+    with tempfile.TemporaryDirectory() as tmp:
+        results = pytest([os.path.join(ROOT, STAND_IN_TEST)], test_env(None), os.path.join(tmp, "junit.xml"), [])
+    fixed = {name: reason for name, reason in results.items() if name in needing}
+    failed = must_fail(fixed, "unpatched torch")
+    if len(fixed) != len(needing):
+        failed.append(f"ran {len(fixed)} of the {len(needing)} tests in NEEDS")
+    failed += [f"{name} ({reason})" for name, reason in results.items() if name not in fixed and reason]
+    return failed
+
+
+def check_stack(pytest_args: list[str]) -> list[str]:
     print("\n=== the stack: every patch, in order, on one copy")
+    failed: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         copy_sources(tmp)
         for patch in PATCHES:
             lay_bases(patch, tmp)
             if not apply(patch.file, tmp):
                 return [f"{patch.file} on top of the ones before it"]
-    print("applies")
-    return []
+        print("applies")
+        env = test_env(tmp, applied=tuple(p.stand_in for p in PATCHES if p.stand_in))
+        failed += check_imports_patched(tmp, env)
+        if failed:
+            return failed
+        # Note: PR 1's own tests ran in its step; it shares no file with 2a and 2b
+        runs = (
+            (STAND_IN_TEST, [os.path.join(ROOT, STAND_IN_TEST)]),
+            ("project tests", [os.path.join(ROOT, t) for t in STACK_PROJECT_TESTS]),
+        )
+        for index, (what, tests) in enumerate(runs):
+            results = pytest(tests, env, os.path.join(tmp, f"stack{index}.xml"), pytest_args)
+            failed += failed_tests(results, what)
+    return failed
 
 
 def report_gloo_exit_abort() -> str:
@@ -368,23 +503,34 @@ def timed(name: str, step, durations: dict[str, float]):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--patch", choices=[patch.file for patch in PATCHES], help="check only this patch's step")
-    args, pytest_args = parser.parse_known_args()  # everything else goes to pytest (e.g. -k parity)
+    parser.add_argument(
+        "--patch", choices=[patch.file for patch in PATCHES] + ["stack"], help="check only this patch (or the stack)"
+    )
+    parser.add_argument("--gpu", action="store_true", help="only the checks that need an accelerator (see check_gpu)")
+    args, pytest_args = parser.parse_known_args()  # everything else goes to pytest (e.g. -x)
     import torch
 
     if torch.__version__.split("+")[0] != BASE_RELEASE:
         print(f"note: the patches are against torch {BASE_RELEASE}; this is torch {torch.__version__}")
     durations: dict[str, float] = {}
+    if args.gpu:
+        failed = timed("gpu", lambda: check_gpu(pytest_args), durations)
+        print(f"\n=== summary\naccelerator checks: {'FAILED' if failed else 'ok'} ({durations['gpu']:.0f} s)")
+        for what in failed:
+            print(f"  failed: {what}")
+        return 1 if failed else 0
     failures = {
-        patch.file: timed(patch.file, lambda patch=patch: check_patch(patch, pytest_args), durations)
+        patch.name: timed(patch.name, lambda patch=patch: check_patch(patch, pytest_args), durations)
         for patch in PATCHES
         if args.patch in (None, patch.file)
     }
     gloo = None
     if args.patch is None:
-        name = "PR 2's CPU tests on unpatched torch (FIXED fail, the others pass)"
-        failures[name] = timed(name, check_pr2_cases_unpatched, durations)
-        failures["stack"] = timed("stack", check_stack, durations)
+        name = "stand-in tests on unpatched torch (NEEDS fail, the others pass)"
+        failures[name] = timed(name, check_stand_in_unpatched, durations)
+    if args.patch in (None, "stack"):
+        failures["stack"] = timed("stack", lambda: check_stack(pytest_args), durations)
+    if args.patch is None:
         print(f"\n=== {GLOO_REPRO}, for information (not a check)")
         gloo = timed(GLOO_REPRO, report_gloo_exit_abort, durations)
         print(gloo)

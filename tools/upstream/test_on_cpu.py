@@ -12,7 +12,9 @@ process-group setup replaced: ``WORLD_SIZE`` gloo ranks on CPU. With
 ``UPSTREAM_TEST_RANKS_FOR_DEVICES=1`` (for tests whose devices only stand for ranks), a
 test marked ``skip_if_lt_x_gpu(n)`` also runs when ``n <= WORLD_SIZE``, as
 ``allow_cpu=True`` would let it; without it, that skip stays (tests that need a real
-accelerator). The test bodies, their other skips (e.g. "Requires NCCL backend") and
+accelerator). ``FSDPTestMultiThread`` classes run as they are (their threads are their
+ranks), with the same ``skip_if_lt_x_gpu`` rule. A rank that dies ends its test at once
+(``rank_exit.py``). The test bodies, their other skips (e.g. "Requires NCCL backend") and
 their assertions are the upstream ones. ``check.py`` sets both variables.
 """
 
@@ -24,8 +26,12 @@ import sys
 from unittest import mock
 
 import torch.distributed as dist
+import torch.multiprocessing
 from torch.testing._internal import common_device_type, common_distributed
-from torch.testing._internal.common_fsdp import FSDPTest
+from torch.testing._internal.common_fsdp import FSDPTest, FSDPTestMultiThread
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_exit import EndOnRankDeath  # noqa: E402
 
 WORLD_SIZE = 4  # torch's FSDP tests use min(4, device count); 4 makes reshard_after_forward=2 a real subgroup
 RANKS_FOR_DEVICES = os.environ.get("UPSTREAM_TEST_RANKS_FOR_DEVICES") == "1"
@@ -36,10 +42,16 @@ if "TORCH_FSDP_EXT_TEST_TIMEOUT" in os.environ:
     common_distributed.TIMEOUT_DEFAULT = int(os.environ["TORCH_FSDP_EXT_TEST_TIMEOUT"])
 
 
-class _GlooOnCPU:
+class _GlooOnCPU(EndOnRankDeath):
     @property
     def world_size(self) -> int:
         return WORLD_SIZE
+
+    def _spawn_processes(self) -> None:
+        # Note: forked, not spawned: a spawned rank re-imports torch and the test module
+        # before every test, most of a small test's time on a loaded machine. The parent
+        # uses no accelerator, so forking is safe here.
+        self._start_processes(torch.multiprocessing.get_context("fork").Process)
 
     @classmethod
     def _run(cls, rank, test_name, file_name, pipe, **kwargs):  # type: ignore[override]
@@ -81,17 +93,26 @@ def _load_upstream_tests(path: str) -> dict[str, type]:
     # by one class per accelerator type, i.e. by none here; the generic classes are kept.
     with mock.patch.object(common_device_type, "instantiate_device_type_tests", lambda *args, **kwargs: None):
         spec.loader.exec_module(module)
-    for cls in vars(module).values() if RANKS_FOR_DEVICES else ():
-        if isinstance(cls, type) and issubclass(cls, FSDPTest) and cls.__module__ == module.__name__:
-            for name, test_fn in vars(cls).items():
-                if name.startswith("test"):
-                    _run_with_gloo_ranks(test_fn)
+    classes = {
+        name: cls
+        for name, cls in vars(module).items()
+        if isinstance(cls, type)
+        and issubclass(cls, (FSDPTest, FSDPTestMultiThread))
+        and cls.__module__ == module.__name__
+    }
+    for cls in classes.values() if RANKS_FOR_DEVICES else ():
+        for name, test_fn in vars(cls).items():
+            if name.startswith("test"):
+                _run_with_gloo_ranks(test_fn)
     # Note: module-level names, so that the spawned rank processes (which re-import
-    # this file with the same environment) find the classes their tests pickle.
+    # this file with the same environment) find the classes their tests pickle. A
+    # multi-thread class keeps its world size and threaded process group: its threads
+    # are its ranks.
     return {
-        f"{cls_name}OnCPU": type(f"{cls_name}OnCPU", (_GlooOnCPU, cls), {"__module__": __name__})
-        for cls_name, cls in vars(module).items()
-        if isinstance(cls, type) and issubclass(cls, FSDPTest) and cls.__module__ == module.__name__
+        f"{name}OnCPU": type(
+            f"{name}OnCPU", (_GlooOnCPU, cls) if issubclass(cls, FSDPTest) else (cls,), {"__module__": __name__}
+        )
+        for name, cls in classes.items()
     }
 
 

@@ -1,9 +1,9 @@
-"""PR 2's scenarios on CPU: which forwards and recomputations get their inputs moved, and
+"""PR 2a's and PR 2b's scenarios on CPU: which forwards and recomputations get their inputs moved,
 which RNG state checkpoint restores.
 
 Note: FSDP2 moves a root's inputs only onto an accelerator (``cuda``, ``hpu``, ``xpu``,
 ``mtia`` or the PrivateUse1 backend), and checkpoint saves an accelerator's RNG state
-only where there is one, so on CPU PR 2's own tests skip. Here a stand-in plays the
+only where there is one, so on CPU the PRs' own tests skip. Here a stand-in plays the
 accelerator:
 
 - FSDP: after lazy init each FSDP state's device reads as ``cuda`` (after lazy init FSDP2
@@ -19,11 +19,12 @@ accelerator:
   ``DeviceDropout`` draws, as dropout on a CUDA tensor draws from the CUDA generator.
   ``torch.accelerator`` reports it as the current accelerator (``cuda``, device 0).
 
-The assertions are those of PR 2's tests, with "on the device" read as "moved". Run by
-``check.py`` against the patched copy of ``torch/utils/checkpoint.py`` and FSDP2 (all
-pass), and against the installed, unpatched torch, where the cases in ``FIXED`` must
-fail (the device mismatch, or other dropout masks in the recomputation) and every other
-test must pass (PR 2 changes nothing there).
+The assertions are those of the PRs' tests, with "on the device" read as "moved". Run by
+``check.py`` against each patched copy (PR 2a alone, PR 2b alone: the tests that need
+the other patch skip; the stack: all pass), and against the installed, unpatched torch,
+where the tests in ``NEEDS`` must fail (the device mismatch, or other dropout masks in the
+recomputation, or a nested block's host input moved) and every other test must pass
+(neither patch changes anything there).
 """
 
 from __future__ import annotations
@@ -49,15 +50,41 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "test"))
 from common import FSDPExtTestCase, full_grads, fully_shard  # noqa: E402
 
-# The tests that fail on unpatched torch (check.py asserts it); every other test passes there
-FIXED = (
-    "test_checkpoint_with_cpu_inputs_checkpointed_root",
-    "test_checkpoint_with_cpu_inputs_checkpointed_root_with_device_dropout",
-    "test_checkpoint_with_cpu_inputs_checkpointed_bare_root_with_device_dropout",
-    "test_checkpoint_with_cpu_inputs_checkpointed_block_run_alone",
-    "test_cpu_args_restore_accelerator_rng",
-    "test_rng_state_reads",
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_exit import EndOnRankDeath  # noqa: E402
+
+# The tests that fail on unpatched torch, each with the patches it needs ("2a": checkpoint,
+# "2b": FSDP); check.py asserts it. Every other test passes on unpatched torch. With
+# UPSTREAM_PATCHES_APPLIED set (e.g. "2b"), a test that needs a patch not in it skips.
+NEEDS = {
+    "test_cpu_args_restore_accelerator_rng": ("2a",),
+    "test_rng_state_reads": ("2a",),
+    "test_checkpoint_with_cpu_inputs_checkpointed_root": ("2b",),
+    "test_checkpoint_with_cpu_inputs_checkpointed_block_run_alone": ("2b",),
+    "test_checkpoint_with_cpu_inputs_checkpointed_root_with_device_dropout": ("2a", "2b"),
+    "test_checkpoint_with_cpu_inputs_checkpointed_bare_root_with_device_dropout": ("2a", "2b"),
+}
+
+# Tests that pass on unpatched torch (they accept its loud device mismatch) but need 2a once 2b
+# is applied: 2b alone replays the move, and the recomputation on the moved input then draws
+# other device random numbers than the forward. This is why 2b is stacked on 2a.
+NEEDS_2A_WITH_2B = (
+    "test_unpatched_equal_case_case_root_twice_first_draws_device_rng",
+    "test_unpatched_equal_case_case_nested_root_twice_first_draws_device_rng",
 )
+
+
+def skip_unless_applied(test: unittest.TestCase) -> None:
+    """Skips ``test`` if it needs a patch that UPSTREAM_PATCHES_APPLIED does not name."""
+    applied = os.environ.get("UPSTREAM_PATCHES_APPLIED")
+    if applied is None:
+        return
+    applied_set = set(applied.split(",")) - {""}
+    needs = set(NEEDS.get(test._testMethodName, ()))
+    if "2b" in applied_set and test._testMethodName in NEEDS_2A_WITH_2B:
+        needs.add("2a")
+    if not needs <= applied_set:
+        test.skipTest(f"needs patch {' and '.join(sorted(needs))}; applied: {applied or 'none'}")
 
 
 FREED_WAIT_S = 5.0  # how long test_nothing_kept_alive waits for another thread to release a tensor
@@ -151,8 +178,12 @@ class DeviceDropout(nn.Module):
 
 
 class TestCheckpointRNGOnCPU(unittest.TestCase):
-    """PR 2's checkpoint change: the current accelerator's RNG state is restored for a region
+    """PR 2a (checkpoint): the current accelerator's RNG state is restored for a region
     whose tensor arguments are not on it."""
+
+    def setUp(self) -> None:
+        skip_unless_applied(self)
+        super().setUp()
 
     def test_cpu_args_restore_accelerator_rng(self) -> None:
         accelerator = StandInAccelerator(None)
@@ -236,8 +267,12 @@ class Model(nn.Module):
         return x
 
 
-class TestRecomputeInputsOnCPU(FSDPExtTestCase):
+class TestRecomputeInputsOnCPU(EndOnRankDeath, FSDPExtTestCase):
     WORLD_SIZE = 2
+
+    def setUp(self) -> None:
+        skip_unless_applied(self)
+        super().setUp()
 
     @contextlib.contextmanager
     def stand_in_device(self, model: Model, moved: MovedTensors):
@@ -309,6 +344,9 @@ class TestRecomputeInputsOnCPU(FSDPExtTestCase):
                 checkpoint(model, inp, use_reentrant=False).sum().backward()
                 ref_model(inp).sum().backward()
                 self.assertEqual(model.input_moved, [True, True])
+                # The blocks ran nested: their host input stays on the host in the
+                # recomputation too (block 0's state is idle there)
+                self.assertEqual([block.host_input_moved for block in model.blocks], [[False, False]] * 2)
             elif checkpointed == "nested_blocks":
                 model.checkpoint_blocks = True
                 model(inp).sum().backward()
