@@ -112,7 +112,8 @@ def main() -> None:
         cells = [f"{ref[k]:.2f} → {plug[k]:.2f}" for k in ("first optimizer", "first step", "second optimizer")]
         print(f"| {count:,} | " + " | ".join(cells) + " |")
     first = [sides["plugin"][count]["first optimizer"] for count in args.live]
-    print(f"plugin's first AdamW with {args.live[-1]:,} live models / with {args.live[0]:,}: {first[-1] / first[0]:.2f}x")
+    ratio = first[-1] / first[0]
+    print(f"plugin's first AdamW with {args.live[-1]:,} live models / with {args.live[0]:,}: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,9 @@ class RootIndex:
             if root is not None:
                 add(root)
                 continue
-            inside = [self.root_of(sub) for sub in module.modules() if sub is not module and self._is_sharded_alone(sub)]
+            inside = [
+                self.root_of(sub) for sub in module.modules() if sub is not module and self._is_sharded_alone(sub)
+            ]
             for root in inside:
                 if root is not None:
                     add(root)
