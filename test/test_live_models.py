@@ -80,6 +80,52 @@ print(json.dumps(phases))
 """
 
 
+# Meta init, then every parameter replaced by load_state_dict(assign=True), then an optimizer that makes its
+# state in its constructor (Adagrad): the optimizer must still find the model's group (by the new parameters).
+ASSIGNED_THEN_ADAGRAD = r"""
+import json
+import torch, torch.distributed as dist, torch.nn as nn
+import torch_fsdp_ext
+from torch_fsdp_ext._compat import fsdp2_api
+
+fully_shard = fsdp2_api().fully_shard
+policy = fsdp2_api().MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+class Mixed(nn.Module):  # its FSDP module holds its parameters itself
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16))
+        self.g = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        return (x.to(self.w.dtype) @ self.w).float() * self.g
+
+torch.manual_seed(0)
+source = fully_shard(Mixed(), mp_policy=policy)
+torch_fsdp_ext.uninstall()
+loaded = source.state_dict()  # in the dtypes as loaded
+reference = Mixed()  # the workaround: model.float() before fully_shard
+reference.load_state_dict({k: v.full_tensor() for k, v in loaded.items()})
+fully_shard(reference.float(), mp_policy=policy)
+reference_optimizer = torch.optim.Adagrad(reference.parameters(), lr=0.1)
+torch_fsdp_ext.install()
+with torch.device("meta"):
+    model = Mixed()
+fully_shard(model, mp_policy=policy)
+model.load_state_dict(loaded, assign=True)
+optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+dtypes = [str(p.dtype) for p in model.parameters()]
+x = torch.randn(4, 8)
+for m, opt in ((model, optimizer), (reference, reference_optimizer)):
+    m(x).sum().backward()
+    opt.step()
+same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), reference.parameters()))
+loaded_dtypes = sorted({str(v.dtype) for v in loaded.values()})
+print(json.dumps({"loaded": loaded_dtypes, "dtypes after the optimizer": dtypes, "step equals the workaround": same}))
+"""
+
+
 def decisions(live_models: int) -> dict:
     done = run_python(COUNT_DECISIONS.replace("LIVE_MODELS", str(live_models)), timeout=300)
     if done.returncode != 0:
@@ -96,6 +142,15 @@ class LiveModelsTest(TestCase):
         for phase, counts in alone.items():
             self.assertEqual(counts["scans of all FSDP states"], 0, phase)
         self.assertGreater(alone["first optimizer"]["modules walked"], 0)  # the counter sees the plugin's walks
+
+    def test_optimizer_finds_parameters_put_in_place_by_assign(self) -> None:
+        done = run_python(ASSIGNED_THEN_ADAGRAD, timeout=300)
+        self.assertEqual(done.returncode, 0, done.stderr[-4000:])
+        self.assertEqual(
+            json.loads(done.stdout.strip().splitlines()[-1]),
+            {"loaded": ["torch.bfloat16", "torch.float32"], "dtypes after the optimizer": ["torch.float32"] * 2,
+             "step equals the workaround": True},
+        )
 
 
 if __name__ == "__main__":

@@ -247,13 +247,14 @@ class DtypeFix:
         self._index_params(group)
         fix_ref = weakref.ref(self)
         hook = functools.partial(_upcast_before_state_dict, fix_ref)
+        reindex_hook = functools.partial(_reindex_after_load, fix_ref, weakref.ref(group))
         for module in modules:
             self._add_module_hook(module, module.register_state_dict_pre_hook(hook))
             self._add_module_hook(module, module.register_load_state_dict_pre_hook(hook))
         undecided_hook = functools.partial(_upcast_before_load_into, fix_ref, weakref.ref(group))
-        reindex_hook = functools.partial(_reindex_after_load, fix_ref, weakref.ref(group))
         for module in _param_holders(group, modules):
             self._add_module_hook(module, module.register_load_state_dict_pre_hook(undecided_hook))
+        for module in (*modules, *_param_holders(group, modules)):
             self._add_module_hook(module, module.register_load_state_dict_post_hook(reindex_hook))
 
     def _index_params(self, group: Any) -> None:
