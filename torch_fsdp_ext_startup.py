@@ -74,12 +74,16 @@ def _import_at_first_group(cls: type) -> None:
 
     @functools.wraps(torch_init)
     def __init__(group, *args, **kwargs) -> None:
-        if cls.__dict__.get("__init__") is __init__:
-            end_wait()
-            _import_plugin()
+        # Note: ranks as threads of one process build their first groups at once. The stand-in
+        # stays in place until the plugin's import has installed its fixes, and each thread that
+        # met it waits in that import (Python's lock on a module being imported), then builds
+        # through the plugin's wrapper: no rank builds a group with torch's own __init__ meanwhile.
+        met_directly = cls.__dict__.get("__init__") is __init__
+        _import_plugin()  # its import ends the wait (end_wait), then installs
+        end_wait()  # the import failed before ending it
+        if met_directly:
             cls.__init__(group, *args, **kwargs)  # through the plugin's wrapper
         else:  # another library wrapped this stand-in: build through torch's own
-            _import_plugin()
             torch_init(group, *args, **kwargs)
 
     _waiting.append((cls, torch_init, __init__))

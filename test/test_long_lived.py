@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
 from torch_fsdp_ext import _install
-from torch_fsdp_ext._dtype import _fix as _dtype_fix, _optimizer_state
+from torch_fsdp_ext._dtype import _fix as _dtype_fix, _optimizer_state, _roots
 
 from common import (
     FSDPExtTestCase,
@@ -46,6 +46,7 @@ def plugin_footprint() -> dict[str, int]:
         if isinstance(fix, _dtype_fix.DtypeFix):
             sizes["dtype: groups hooked"] = len(fix._hooked)
             sizes["dtype: groups undecided"] = len(fix._undecided)
+            sizes["dtype: parameters of undecided groups indexed"] = len(fix._undecided_by_param)
             sizes["dtype: module hook handles"] = sum(map(len, fix._module_hooks.values()))
             sizes["dtype: refused roots"] = len(fix._refused)
             sizes["dtype: rank check, groups compared"] = len(fix.ranks._compared)
@@ -53,6 +54,7 @@ def plugin_footprint() -> dict[str, int]:
     sizes["optimizer check: parameters pending"] = len(_optimizer_state._upcast)
     sizes["optimizer check: optimizers seen"] = len(_optimizer_state._held)
     sizes["dtype: mixed groups kept"] = _dtype_fix._keeper.kept_groups
+    sizes["dtype: modules with a root indexed"] = len(_roots.index._owner)
     sizes["plugin objects alive"] = sum(
         1 for obj in gc.get_objects() if str(getattr(type(obj), "__module__", "")).startswith("torch_fsdp_ext")
     )

@@ -68,6 +68,14 @@ class TestTools(TestCase):
         self.assertEqual(methods, ["by", "state_dict_as_loaded", "streamed"], result.stdout)
         self.assertRegex(result.stdout, r"streamed extra peak <= 1.1 x largest tensor on every rank: \d")
 
+    def test_live_models_cost(self):
+        result = run_tool("tools/live_models_cost.py", "--live", "1", "4")
+        # Exit 0 also means the plugin's side upcast each timed model at its first AdamW.
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        rows = [line for line in result.stdout.splitlines() if line.startswith(("| 1 |", "| 4 |"))]
+        self.assertEqual(len(rows), 2, result.stdout)
+        self.assertIn("plugin's first AdamW with 4 live models / with 1:", result.stdout)
+
     def test_startup_cost_one_round(self):
         result = run_tool("tools/startup_cost.py", "--rounds", "1")
         # Exit 0: under TORCH_FSDP_EXT_AUTOLOAD=1, a process that imports torch and never FSDP loads no plugin module.

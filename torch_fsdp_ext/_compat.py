@@ -70,6 +70,7 @@ WRAPPED_METHODS: tuple[tuple[str, str], ...] = (
     ("FSDPParamGroup", "post_backward"),
     ("FSDPParam", "to_sharded_dtensor"),
     ("fsdp_param_group_module", "foreach_reduce"),
+    ("FSDPState", "init"),
     ("FSDPState", "_lazy_init"),
     ("FSDPState", "_pre_forward"),
     ("FSDPState", "_post_forward"),

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from .. import _compat, _env
-from . import _loaded_dtypes, _mixed_groups
+from . import _loaded_dtypes, _mixed_groups, _roots
 from ._plan import format_dtype, param_names
 
 ENV_VAR = "TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE"
@@ -430,13 +430,7 @@ _OWN_OVERRIDE_ATTR = "_torch_fsdp_ext_own_override"
 def _model_root(group: Any) -> nn.Module | None:
     """The outermost module ``fully_shard`` was applied to that holds ``group``: what the model's lists sit on."""
     modules = _compat.group_modules(group)
-    if not modules:
-        return None
-    roots = [
-        module for module in map(_compat.root_module_of, _compat.fsdp_states())
-        if module is not None and any(sub is modules[0] for sub in module.modules())
-    ]
-    return max(roots, key=lambda module: sum(1 for _ in module.modules()), default=None)
+    return _roots.index.root_of(modules[0]) if modules else None
 
 
 def resolve_auto(group: Any) -> None:

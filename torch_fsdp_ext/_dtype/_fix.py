@@ -102,7 +102,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _compat
-from . import _compute_dtype, _mixed_groups, _optimizer_state
+from . import _compute_dtype, _mixed_groups, _optimizer_state, _roots
 from ._plan import (
     MixedParamDtypeError,
     ParamEntry,
@@ -156,6 +156,10 @@ class DtypeFix:
         self._hooked: weakref.WeakSet = weakref.WeakSet()  # groups whose modules have the state-dict hooks
         # Groups whose model has not been decided with its data loaded: what an optimizer may still take first.
         self._undecided: weakref.WeakSet = weakref.WeakSet()
+        # id(parameter the module holds) -> its undecided group: an optimizer's parameters find their
+        # groups without a look at every live model's (Note: cost, in _roots). Ids, not weak keys:
+        # a weak reference on a parameter breaks torch.utils.swap_tensors (nn.Module.to, float).
+        self._undecided_by_param: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         # Note: the module hooks the fix registers live and die with their modules, not with
         # the fix's patches: a process that builds many models keeps no handle of a freed one.
         self._module_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> [handle]
@@ -184,7 +188,7 @@ class DtypeFix:
 
     def wrapped_symbols(self) -> list[str]:
         owners = ("FSDPParamGroup",) if _compat.probe_reduce_casts_grads_per_param() else _compat.MIXED_REDUCE_OWNERS
-        names = _compat.symbol_names(self.internals, (*owners, "FSDPState._lazy_init"))
+        names = _compat.symbol_names(self.internals, (*owners, "FSDPState.init", "FSDPState._lazy_init"))
         entry_points = [f"{module.__name__}.{name}" for module, name in _compat.state_dict_entry_points()]
         return names + entry_points + ["torch.optim.Optimizer.add_param_group"]
 
@@ -192,6 +196,7 @@ class DtypeFix:
         self._patches = patches
         patches.on_restore(self._remove_module_hooks)
         patches.wrap(self.internals.FSDPParamGroup, "__init__", self._wrap_init)
+        patches.wrap(self.internals.FSDPState, "init", _wrap_state_init)
         self.ranks.install(patches)
         # Note: wrapped after the rank check, so it runs first: the ranks compare the upcast layout.
         patches.wrap(self.internals.FSDPState, "_lazy_init", self._wrap_root_lazy_init)
@@ -219,6 +224,7 @@ class DtypeFix:
     def decide_existing_groups(self) -> None:
         """At install(): models sharded before it get the hooks of their upcast moment."""
         for state in _compat.fsdp_states():
+            _roots.index.register(state)
             if _compat.is_root_flag(state) is None:  # its lazy init has not run
                 for group in _compat.param_groups_of(state):
                     if _BUILT_ATTR not in group.__dict__:  # Note [Installed late]
@@ -238,24 +244,43 @@ class DtypeFix:
             return
         self._hooked.add(group)
         self._undecided.add(group)
+        self._index_params(group)
         fix_ref = weakref.ref(self)
         hook = functools.partial(_upcast_before_state_dict, fix_ref)
+        reindex_hook = functools.partial(_reindex_after_load, fix_ref, weakref.ref(group))
         for module in modules:
             self._add_module_hook(module, module.register_state_dict_pre_hook(hook))
             self._add_module_hook(module, module.register_load_state_dict_pre_hook(hook))
         undecided_hook = functools.partial(_upcast_before_load_into, fix_ref, weakref.ref(group))
         for module in _param_holders(group, modules):
             self._add_module_hook(module, module.register_load_state_dict_pre_hook(undecided_hook))
+        for module in (*modules, *_param_holders(group, modules)):
+            self._add_module_hook(module, module.register_load_state_dict_post_hook(reindex_hook))
+
+    def _index_params(self, group: Any) -> None:
+        for fsdp_param in group.fsdp_params:
+            self._undecided_by_param[id(_compat.current_module_param(fsdp_param))] = group
+
+    def _decided(self, group: Any) -> None:
+        self._undecided.discard(group)
+        for fsdp_param in group.fsdp_params:
+            key = id(_compat.current_module_param(fsdp_param))
+            if self._undecided_by_param.get(key) is group:
+                del self._undecided_by_param[key]
 
     def upcast_models_holding(self, params: list) -> None:
         """Note [Optimizers see the upcast]: upcast the undecided models that hold any of ``params``."""
         if not self.active or not self._undecided:
             return
         ids = {id(p) for p in params}
-        groups = [
-            group for group in list(self._undecided)
-            if any(id(_compat.current_module_param(p)) in ids for p in group.fsdp_params)
-        ]
+        groups = []
+        for param in params:
+            group = self._undecided_by_param.get(id(param))
+            # An id may have been reused by a later parameter: the group must still hold it.
+            if group is not None and all(g is not group for g in groups) and group in self._undecided and any(
+                id(_compat.current_module_param(p)) in ids for p in group.fsdp_params
+            ):
+                groups.append(group)
         if groups:
             for root in fsdp_roots_of([_compat.group_modules(group)[0] for group in groups]):
                 self.upcast_root(root)
@@ -309,7 +334,7 @@ class DtypeFix:
                 return []  # not loaded yet: a later moment decides (FSDP's lazy init refuses meta parameters)
             entries.append((group, group_entries))
         for group in groups:
-            self._undecided.discard(group)
+            self._decided(group)
         already = any(group.__dict__[_DECISION_ATTR].upcast for group in groups)
         upcast = []
         if already or any(plan_group_dtypes(group_entries).is_mixed for _, group_entries in entries):
@@ -441,25 +466,16 @@ class DtypeFix:
 def fsdp_roots_of(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """Note [Scope of the upcast]: the FSDP roots that own parameters of ``modules``: each top-most module
     with FSDP state (no ``fully_shard``-ed ancestor) whose tree holds one of ``modules`` or lies inside one."""
-    candidates = [m for m in map(_compat.root_module_of, _compat.fsdp_states()) if m is not None]
-    trees = [(m, {id(sub) for sub in m.modules()}) for m in candidates]
-    outermost = [(m, tree) for m, tree in trees if not any(o is not m and id(m) in t for o, t in trees)]
-    roots = []
-    for module in modules:
-        below = None
-        found = False
-        for root, tree in outermost:
-            if id(module) not in tree:
-                if below is None:
-                    below = {id(sub) for sub in module.modules()}
-                if id(root) not in below:
-                    continue
-            found = True
-            if not any(root is r for r in roots):
-                roots.append(root)
-        if not found and not any(module is r for r in roots):
-            roots.append(module)  # a module FSDP lists with others (fully_shard([a, b])): decided on its own tree
-    return roots
+    return _roots.index.roots_of(modules)
+
+
+def _wrap_state_init(original: Callable) -> Callable:
+    @wraps(original)
+    def init(state: Any, *args: Any, **kwargs: Any) -> None:
+        original(state, *args, **kwargs)
+        _roots.index.register(state)  # Note: cost, in _roots
+
+    return init
 
 
 def _contains(module: torch.nn.Module, inner: torch.nn.Module) -> bool:
@@ -730,6 +746,14 @@ def _upcast_before_load_into(fix_ref: weakref.ref, group_ref: weakref.ref, modul
     fix, group = fix_ref(), group_ref()
     if fix is not None and fix.active and group is not None and group in fix._undecided:
         fix.upcast_model(module)
+
+
+def _reindex_after_load(fix_ref: weakref.ref, group_ref: weakref.ref, module: torch.nn.Module, *args: Any) -> None:
+    """``load_state_dict()`` post-hook of a module holding an undecided group's parameters: ``assign=True``
+    put new parameter objects in place, which an optimizer then takes."""
+    fix, group = fix_ref(), group_ref()
+    if fix is not None and group is not None and group in fix._undecided:
+        fix._index_params(group)
 
 
 def _refuse_forward(message: str, module: torch.nn.Module, args: tuple) -> None:
