@@ -258,7 +258,10 @@ class DtypeFix:
                 for p in group.fsdp_params
                 if _compat.fsdp_param_is_trainable(p) and cast_exclusion_reason(p.sharded_param) is None
             }
-            overrides = any(_compute_dtype.override_fn_of(group.mp_policy) for group in groups)
+            overrides = any(
+                _compute_dtype.override_fn_of(_compat.param_mp_policy(group, p))
+                for group in groups for p in group.fsdp_params
+            )
             if overrides or _compute_dtype.default_selectors() or (
                 len(trainable) > 1 and self.strategy.name == "upcast"
             ):
