@@ -399,6 +399,26 @@ class TestOrderFindings(FSDPExtTestCase):
                 model(batch(self.rank))
             self.assertEqual({name: p.dtype for name, p in model.named_parameters()}, loaded)
 
+    def test_unshard_before_the_optimizer(self):
+        """A rollout or weight sync first: ``unshard()``, then a state dict, ``upcast_now`` and a no_grad forward
+        meet the unsharded parameters; ``reshard()``, an optimizer, training (every layout, both ranks)."""
+        for layout in ("one", "bf16 blocks", "container"):
+            for how in ("root", "root (async)", "layers[0]"):
+                with self.subTest(layout=layout, unshard=how), plugin(True):
+                    runs = Run(False, self.rank, layout=layout), Run(True, self.rank, layout=layout)
+                    for run in runs:
+                        run.unshard(how)
+                        run.get("model", FULL, key="model/full")
+                        torch_fsdp_ext.upcast_now(run.model)
+                        run.eval_forward()
+                        run.reshard()
+                        run.make_optimizer("adamw")
+                        run.train_step()
+                        run.train_step()
+                    for key, value in runs[0].saved["model/full"]["model"].items():
+                        self.assertTrue(torch.equal(value, runs[1].saved["model/full"]["model"][key]), key)
+                    assert_trains_as_workaround(self, *runs)
+
     def test_upcast_now_gives_the_final_dtypes_before_the_first_forward(self):
         with plugin(True):
             runs = self.pair()
@@ -690,7 +710,8 @@ class TestOrderMatrix(FSDPExtTestCase):
               f"{len(raised)} raised in both, {len(documented)} documented differences, {len(said)} said the install "
               f"came late, {len(as_torch)} installed late and cast nothing (as torch) "
               f"(of {sum('install (late)' in trace for trace in ran)} late installs, "
-              f"{sum(trace[0].startswith('container') for trace in ran)} containers)")
+              f"{sum(trace[0].startswith('container') for trace in ran)} containers, "
+              f"{sum(any(step.startswith('unshard') for step in trace) for trace in ran)} with unshard())")
         self.assertGreaterEqual(len(ran), self.EXAMPLES // 2)
 
 
