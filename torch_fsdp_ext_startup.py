@@ -24,6 +24,10 @@ the first ``FSDPParamGroup`` is built (the first ``fully_shard`` of a module wit
 parameters; the plugin's fixes act from there on): a one-time stand-in for its
 ``__init__`` puts torch's back, imports the plugin, and builds the group through it.
 Every rank then installs with torch fully imported, whatever its launcher imports first.
+A library that wraps the stand-in while it waits (its own import imported FSDP) is
+composed with: the stand-in builds that first group through the plugin's hook with
+torch's constructor, and the plugin's wrapper goes in front of the library's for the
+groups after it (the library's wrapper runs once per group either way).
 """
 
 from __future__ import annotations
@@ -83,11 +87,20 @@ def _import_at_first_group(cls: type) -> None:
         end_wait()  # the import failed before ending it
         if met_directly:
             cls.__init__(group, *args, **kwargs)  # through the plugin's wrapper
-        else:  # another library wrapped this stand-in: build through torch's own
-            torch_init(group, *args, **kwargs)
+        else:  # another library wrapped this stand-in (its wrapper runs once, around this call)
+            _build_through_plugin(torch_init, group, args, kwargs)
 
     _waiting.append((cls, torch_init, __init__))
     cls.__init__ = __init__
+
+
+def _build_through_plugin(torch_init, group, args: tuple, kwargs: dict) -> None:
+    """Torch's constructor through the plugin's hook, which the wrapper over this stand-in never reaches."""
+    install = sys.modules.get("torch_fsdp_ext._install")
+    if install is None:  # the plugin failed to import (warned): torch as without it
+        torch_init(group, *args, **kwargs)
+    else:
+        install.build_param_group(torch_init, group, *args, **kwargs)
 
 
 def end_wait() -> None:

@@ -4,8 +4,8 @@ the plugin's upcast trains bit for bit as the hand workaround (``model.float()``
 
 The order matrix (``TestOrderMatrix``) generates sequences of what users do (build an
 optimizer, get / set model, optimizer or both state dicts, sharded or full, DCP save and
-load, ``Module.to``, freeze / unfreeze, an eval forward, a train step,
-``torch_fsdp_ext.upcast_now``) with hypothesis's stateful testing, on one rank for
+load, ``Module.to``, freeze / unfreeze, an eval forward, a train step, ``unshard()`` /
+``reshard()``, ``torch_fsdp_ext.upcast_now``) with hypothesis's stateful testing, on one rank for
 breadth; ``TestOrderFindings`` has one test per order found broken before, on two ranks
 where the ranks matter (DCP, rank-0 broadcast).
 
@@ -115,11 +115,23 @@ class Run:
     # -- what users do ----------------------------------------------------------------
 
     def make_optimizer(self, kind: str) -> None:
-        # Note: after a no_grad forward the root module holds its unsharded parameters until it is
-        # resharded; an optimizer must take the sharded ones (torch crashes stepping the others).
-        for root in self.roots:
-            root.reshard()
+        # Note: after a no_grad forward (or an unshard()) a module holds its unsharded parameters until it
+        # is resharded; an optimizer must take the sharded ones (torch crashes stepping the others).
+        self.reshard()
         self.optimizer = OPTIMIZERS[kind](self.model.parameters())
+
+    def unshard(self, how: str) -> None:
+        """``how``: "root", "root (async)" (``unshard(async_op=True).wait()``) or "layers[0]"."""
+        for root in self.roots:
+            module = root.layers[0] if how == "layers[0]" else root
+            handle = module.unshard(async_op=how == "root (async)")
+            if handle is not None:
+                handle.wait()
+
+    def reshard(self) -> None:
+        for root in self.roots:
+            for module in (root, *root.layers):
+                module.reshard()
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         return sum(lm_loss(root(tokens), tokens) for root in self.roots)
@@ -387,6 +399,26 @@ class TestOrderFindings(FSDPExtTestCase):
                 model(batch(self.rank))
             self.assertEqual({name: p.dtype for name, p in model.named_parameters()}, loaded)
 
+    def test_unshard_before_the_optimizer(self):
+        """A rollout or weight sync first: ``unshard()``, then a state dict, ``upcast_now`` and a no_grad forward
+        meet the unsharded parameters; ``reshard()``, an optimizer, training (every layout, both ranks)."""
+        for layout in ("one", "bf16 blocks", "container"):
+            for how in ("root", "root (async)", "layers[0]"):
+                with self.subTest(layout=layout, unshard=how), plugin(True):
+                    runs = Run(False, self.rank, layout=layout), Run(True, self.rank, layout=layout)
+                    for run in runs:
+                        run.unshard(how)
+                        run.get("model", FULL, key="model/full")
+                        torch_fsdp_ext.upcast_now(run.model)
+                        run.eval_forward()
+                        run.reshard()
+                        run.make_optimizer("adamw")
+                        run.train_step()
+                        run.train_step()
+                    for key, value in runs[0].saved["model/full"]["model"].items():
+                        self.assertTrue(torch.equal(value, runs[1].saved["model/full"]["model"][key]), key)
+                    assert_trains_as_workaround(self, *runs)
+
     def test_upcast_now_gives_the_final_dtypes_before_the_first_forward(self):
         with plugin(True):
             runs = self.pair()
@@ -568,6 +600,18 @@ class OrderMachine(RuleBasedStateMachine):
         self.apply(f"embed.requires_grad_({trainable})", lambda run: run.set_embed_trainable(trainable))
 
     @precondition(can_run)
+    @rule(how=st.sampled_from(["root", "root (async)", "layers[0]"]))
+    def unshard(self, how: str) -> None:
+        """The weights gathered for a rollout or a weight sync: what follows sees the unsharded parameters
+        (a state dict, a no_grad forward, ``upcast_now``, an optimizer after ``reshard()``)."""
+        self.apply(f"unshard {how}", lambda run: run.unshard(how))
+
+    @precondition(lambda self: not self.raised)
+    @rule()
+    def reshard(self) -> None:
+        self.apply("reshard", Run.reshard)
+
+    @precondition(can_run)
     @rule()
     def upcast_now(self) -> None:
         # The workaround's model is fp32 already: the same call is a no-op there.
@@ -666,7 +710,8 @@ class TestOrderMatrix(FSDPExtTestCase):
               f"{len(raised)} raised in both, {len(documented)} documented differences, {len(said)} said the install "
               f"came late, {len(as_torch)} installed late and cast nothing (as torch) "
               f"(of {sum('install (late)' in trace for trace in ran)} late installs, "
-              f"{sum(trace[0].startswith('container') for trace in ran)} containers)")
+              f"{sum(trace[0].startswith('container') for trace in ran)} containers, "
+              f"{sum(any(step.startswith('unshard') for step in trace) for trace in ran)} with unshard())")
         self.assertGreaterEqual(len(ran), self.EXAMPLES // 2)
 
 

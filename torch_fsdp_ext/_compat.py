@@ -103,6 +103,8 @@ class TorchInternals:
     symbols: dict[str, Any] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     missing_owners: list[str] = field(default_factory=list)  # per ``missing`` entry: the symbol it belongs to
+    hidden: list[str] = field(default_factory=list)  # torch's function behind a foreign wrapper it cannot follow
+    hidden_owners: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -111,6 +113,14 @@ class TorchInternals:
     def note_missing(self, what: str, owner: str) -> None:
         self.missing.append(what)
         self.missing_owners.append(owner)
+
+    def note_hidden(self, what: str, owner: str) -> None:
+        """``owner``'s function is there, but behind another library's wrapper the plugin cannot see through."""
+        self.hidden.append(what)
+        self.hidden_owners.append(owner)
+
+    def hidden_for(self, fix: str) -> list[str]:
+        return [what for what, owner in zip(self.hidden, self.hidden_owners) if owner in FIX_SYMBOLS[fix]]
 
     def missing_for(self, fix: str) -> list[str]:
         """What ``fix`` needs and this torch lacks (everything when there is no FSDP2 package)."""
@@ -154,11 +164,28 @@ def load_internals() -> TorchInternals:
         if cls is not None and not callable(getattr(cls, method, None)):
             internals.note_missing(f"{cls.__name__}.{method}", owner)
     if "FSDPParamGroup" in internals.symbols:
-        params = inspect.signature(internals.FSDPParamGroup.__init__).parameters
-        for argument in ("params", "mp_policy", "modules"):
-            if argument not in params:
-                internals.note_missing(f"FSDPParamGroup.__init__ argument {argument!r}", "FSDPParamGroup")
+        # Note [Foreign patches]: torch's own constructor is judged, never a wrapper in front of it.
+        init = internals.FSDPParamGroup.__init__
+        own = param_group_init_of_torch(init)
+        if own is None:
+            internals.note_hidden(
+                f"FSDPParamGroup.__init__ is {describe_function(init)}, another library's wrapper that keeps no "
+                "reference the plugin can follow to torch's own function (__wrapped__, a closure or a global), so "
+                "it cannot see which arguments torch's takes; apply that wrapper after import torch_fsdp_ext, or "
+                "with functools.wraps",
+                "FSDPParamGroup",
+            )
+        else:
+            params = inspect.signature(own).parameters
+            for argument in ("params", "mp_policy", "modules"):
+                if argument not in params:
+                    internals.note_missing(f"FSDPParamGroup.__init__ argument {argument!r}", "FSDPParamGroup")
     return internals
+
+
+def param_group_init_of_torch(init: Callable) -> Callable | None:
+    """Torch's own ``FSDPParamGroup.__init__`` behind ``init`` (the class's, whoever wrapped it), or None."""
+    return torch_own(init, "__init__")
 
 
 def fsdp2_api() -> types.ModuleType:
@@ -289,9 +316,23 @@ def user_class_name(module: torch.nn.Module) -> str:
     return cls.__name__
 
 
+def holds_sharded_param(fsdp_param: Any) -> bool:
+    """Whether the module holds the parameter's sharded form now (``FSDPParam.sharded_state`` is
+    ``SHARDED``), not its unsharded one (after ``unshard()``, inside a forward) nor the smaller
+    post-forward one (``reshard_after_forward`` as an int)."""
+    state = getattr(fsdp_param, "sharded_state", None)
+    return state is None or state.name == "SHARDED"
+
+
 def current_module_param(fsdp_param: Any) -> torch.nn.Parameter:
-    """The parameter the module holds now: ``load_state_dict(assign=True)`` replaces the object
-    ``FSDPParam.sharded_param`` refers to until FSDP's lazy init picks up the new one."""
+    """The sharded parameter as the model has it now: ``load_state_dict(assign=True)`` replaces the
+    object ``FSDPParam.sharded_param`` refers to until FSDP's lazy init picks up the new one.
+
+    Note: while the module holds the unsharded parameter (Note [Unsharded now]), the sharded one is
+    FSDP's own: a load reshards first (FSDP's state-dict pre-hooks), so nothing replaced it.
+    """
+    if not holds_sharded_param(fsdp_param):
+        return fsdp_param.sharded_param
     info = fsdp_param._module_info
     return getattr(info.module, info.param_name)
 
@@ -300,6 +341,26 @@ def sync_sharded_param(fsdp_param: Any) -> None:
     """What FSDP's lazy init does first (``reset_sharded_param``), for a replaced parameter only."""
     if current_module_param(fsdp_param) is not fsdp_param.sharded_param:
         fsdp_param.reset_sharded_param()
+
+
+def reset_sharded_param(fsdp_param: Any) -> None:
+    """``FSDPParam.reset_sharded_param`` after the sharded parameter's data changed in place (``swap_tensors``).
+
+    Note [Unsharded now]: torch's method reads the parameter from the module, which holds the
+    unsharded one between ``unshard()`` and ``reshard()``; the sharded one is shown to it for the
+    call and the unsharded one put back, so the module's unsharded view stays as it was.
+    """
+    if holds_sharded_param(fsdp_param):
+        fsdp_param.reset_sharded_param()
+        return
+    info = fsdp_param._module_info
+    held = getattr(info.module, info.param_name)
+    fsdp_param._setattr_on_modules(fsdp_param.sharded_param)
+    try:
+        fsdp_param.reset_sharded_param()
+    finally:
+        fsdp_param._setattr_on_modules(held)
+
 
 
 def reshard_group(group: Any) -> None:
@@ -397,13 +458,14 @@ def param_groups_of(state: Any) -> list[Any]:
 
 
 def bind_param_group_init(init: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments:
-    """Bind ``FSDPParamGroup.__init__`` arguments by name (their positions moved over releases)."""
+    """Bind ``FSDPParamGroup.__init__`` arguments by name (their positions moved over releases), by the
+    signature of torch's own function behind ``init`` (a foreign wrapper's may be ``(self, *a, **k)``)."""
     return _param_group_init_signature(init).bind(*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=4)
 def _param_group_init_signature(init: Callable) -> inspect.Signature:
-    return inspect.signature(init)
+    return inspect.signature(param_group_init_of_torch(init) or init)
 
 
 def group_name(group: Any) -> str:
@@ -573,8 +635,31 @@ def torch_own(fn: Any, name: str) -> Any:
     return None
 
 
-# The functions whose foreign wrappers the plugin composes with exactly (``_mixed_groups``).
-COMPOSED_FOREIGN = frozenset({("fsdp_param_group_module", "foreach_reduce")})
+def foreign_functions_before_torch(fn: Any, name: str) -> list[str]:
+    """``module.qualname`` of each foreign function met on the way from ``fn`` to torch's own ``name``."""
+    found, seen, queue = [], set(), [fn]
+    while queue and len(seen) < 64:
+        candidate = queue.pop(0)
+        if id(candidate) in seen or not callable(candidate):
+            continue
+        seen.add(id(candidate))
+        origin = function_origin(candidate)
+        if origin == "torch":
+            continue
+        if origin == "foreign" and getattr(candidate, "__code__", None) is not None:
+            found.append(describe_function(candidate))
+        queue.append(getattr(candidate, "__wrapped__", None))
+        for cell in getattr(candidate, "__closure__", None) or ():
+            try:
+                queue.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+    return found
+
+
+# The functions whose foreign wrappers the plugin composes with exactly (``_mixed_groups``; the group
+# constructor: Note [Built past the hook] in ``_dtype._fix``).
+COMPOSED_FOREIGN = frozenset({("fsdp_param_group_module", "foreach_reduce"), ("FSDPParamGroup", "__init__")})
 
 
 def foreign_patches(fix: str) -> list[str]:
@@ -817,7 +902,9 @@ def _probe_group(internals: TorchInternals, params: list[_ProbeParam]) -> Any:
 def _lazy_init_probe_group(internals: TorchInternals, params: list[_ProbeParam]) -> Any:
     """A real ``FSDPParamGroup`` of no parameters, from its own ``__init__``, then given ``params``:
     its lazy init finds them already reset and its state-dict hooks in place."""
-    init = inspect.unwrap(internals.FSDPParamGroup.__init__)
+    init = param_group_init_of_torch(internals.FSDPParamGroup.__init__)
+    if init is None:
+        return None
     known = {
         "params": [], "modules": (), "device": torch.device("cpu"), "mp_policy": internals.MixedPrecisionPolicy(),
     }

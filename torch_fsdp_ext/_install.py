@@ -149,6 +149,14 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = 
                         RuntimeWarning, stacklevel=2,
                     )
                 continue
+            hidden = internals.hidden_for(name)
+            if hidden:
+                # Note [Foreign patches] in ``_compat``: named as another library's, never as torch's.
+                if name not in _warned_stands_aside:
+                    _warned_stands_aside.add(name)
+                    warnings.warn(f"torch_fsdp_ext: fix {name!r} not installed: {'; '.join(hidden)}.",
+                                  RuntimeWarning, stacklevel=2)
+                continue
             fix = _make_fix(name, internals, _dtype_strategy)
             needed, reason = fix.needed()
             if needed is None and name not in _warned_stands_aside:
@@ -192,6 +200,8 @@ def _note_dtype_fix(internals: _compat.TorchInternals) -> None:
         reason = None
     elif internals.missing_for("dtype"):
         reason = "unsupported torch: " + "; ".join(internals.missing_for("dtype"))
+    elif internals.hidden_for("dtype"):
+        reason = "; ".join(internals.hidden_for("dtype"))
     else:
         needed, why = _make_fix("dtype", internals, _dtype_strategy).needed()
         reason = "not installed" if needed else why
@@ -248,6 +258,16 @@ def upcast_now(model: torch.nn.Module) -> list[str]:
     return entry[0].upcast_now(model) if entry is not None else []
 
 
+def build_param_group(init: Any, group: Any, *args: Any, **kwargs: Any) -> None:
+    """Build ``group`` with torch's ``FSDPParamGroup.__init__`` (``init``) through the dtype fix's hook when
+    it is active: for the autoload stand-in (``torch_fsdp_ext_startup``) that another library wrapped."""
+    entry = _active.get("dtype")
+    if entry is None:
+        init(group, *args, **kwargs)
+    else:
+        entry[0].build_group(init, group, *args, **kwargs)
+
+
 def status() -> Status:
     """Per fix: is it needed on this torch (and why), is it active, what it wraps."""
     internals = _compat.load_internals()
@@ -255,10 +275,12 @@ def status() -> Status:
     for name in FIX_NAMES:
         fix, patches = _active.get(name, (None, None))
         lacking = internals.missing_for(name)
-        if fix is None and not lacking:
+        hidden = internals.hidden_for(name)
+        if fix is None and not lacking and not hidden:
             fix = _make_fix(name, internals, _dtype_strategy)
         if fix is None:
-            report.fixes[name] = FixStatus(name, "", None, "unsupported torch: " + "; ".join(lacking), False)
+            reason = "unsupported torch: " + "; ".join(lacking) if lacking else "; ".join(hidden)
+            report.fixes[name] = FixStatus(name, "", None, reason, False)
             continue
         needed, reason = fix.needed()
         details: dict[str, Any] = {}

@@ -65,6 +65,20 @@ cannot undo it: the model's upcast logs one WARNING naming the model and the fix
 step (``_optimizer_state``) says that the install came late rather than suggesting an order
 the user already followed.
 
+Note [Built past the hook]. Another library may wrap ``FSDPParamGroup.__init__`` too. A
+wrapper in front of the plugin's, or one the plugin wraps, composes: the plugin binds the
+arguments by torch's own signature (found behind any wrapper, ``_compat.torch_own``). One
+that calls torch's constructor directly (it captured torch's before the plugin was
+imported and replaced the plugin's since) builds a group the plugin never saw: no mark,
+no state-dict hooks, so a load before the optimizer would not upcast its model first. At
+its model's first lazy init (or ``unshard()``) such a group is taken in (marked, hooked,
+decided with its model as any other) where that changes nothing the plugin would have
+done differently (its model is uniform, or the strategy casts nothing, and no compute
+dtype override applies); otherwise the forward is refused with one error naming the
+groups and the wrappers, before anything is cast. The autoload stand-in
+(``torch_fsdp_ext_startup``) builds the first group through the hook itself
+(``DtypeFix.build_group``), whoever wrapped the stand-in.
+
 Note [Unfrozen later]. A frozen floating parameter narrower than the model's widest
 trainable dtype stays as loaded (frozen parameters are never cast). If it is made
 trainable later, it becomes a master weight of the widest dtype right before its
@@ -116,7 +130,8 @@ from .._patching import PatchSet, wraps
 from .._rank_consistency import RankConsistency
 
 _DECISION_ATTR = "_torch_fsdp_ext_dtype_decision"
-_BUILT_ATTR = "_torch_fsdp_ext_built_with_plugin"  # the group was built while the fix was installed
+_BUILT_ATTR = "_torch_fsdp_ext_built_with_plugin"  # the group was built through the fix's hook
+_EXISTED_ATTR = "_torch_fsdp_ext_existed_at_install"  # the group was built before the fix was installed
 
 logger = logging.getLogger("torch_fsdp_ext")
 
@@ -225,11 +240,49 @@ class DtypeFix:
         """At install(): models sharded before it get the hooks of their upcast moment."""
         for state in _compat.fsdp_states():
             _roots.index.register(state)
-            if _compat.is_root_flag(state) is None:  # its lazy init has not run
-                for group in _compat.param_groups_of(state):
-                    if _BUILT_ATTR not in group.__dict__:  # Note [Installed late]
+            unfinished = _compat.is_root_flag(state) is None  # its lazy init has not run
+            for group in _compat.param_groups_of(state):
+                if _BUILT_ATTR not in group.__dict__:
+                    group.__dict__.setdefault(_EXISTED_ATTR, True)  # Note [Built past the hook]
+                    if unfinished:  # Note [Installed late]
                         group.__dict__.setdefault(SHARDED_BEFORE_INSTALL_ATTR, True)
+                if unfinished:
                     self.hook_state_dicts(group, state._modules)
+
+    # -- Note [Built past the hook] ---------------------------------------------------
+
+    def adopt_groups_built_past_the_hook(self, module: torch.nn.Module) -> None:
+        """The groups of ``module``'s models that were built while the fix was installed but not through its
+        ``FSDPParamGroup.__init__`` hook: taken in where that changes nothing, else refused by name."""
+        for root in fsdp_roots_of([module]):
+            states = _compat.fsdp_states_under(root)
+            groups = [g for state in states for g in _compat.param_groups_of(state) if _built_past_the_hook(g)]
+            if not groups:
+                continue
+            trainable = {
+                p.sharded_param.dtype for state in states for group in _compat.param_groups_of(state)
+                for p in group.fsdp_params
+                if _compat.fsdp_param_is_trainable(p) and cast_exclusion_reason(p.sharded_param) is None
+            }
+            overrides = any(
+                _compute_dtype.override_fn_of(_compat.param_mp_policy(group, p))
+                for group in groups for p in group.fsdp_params
+            )
+            if overrides or _compute_dtype.default_selectors() or (
+                len(trainable) > 1 and self.strategy.name == "upcast"
+            ):
+                _refuse_built_past_the_hook(root, groups, self.internals.FSDPParamGroup.__init__)
+            for group in groups:
+                group.__dict__[_BUILT_ATTR] = True
+                self.hook_state_dicts(group, _compat.group_modules(group))
+
+    def build_group(self, init: Callable, group: Any, *args: Any, **kwargs: Any) -> None:
+        """Build ``group`` with torch's ``init`` through the fix's hook, unless the hook is already building it
+        (the autoload stand-in, reached through a wrapper another library put over it)."""
+        if group.__dict__.get(_BUILT_ATTR) is None:
+            self._wrap_init(init)(group, *args, **kwargs)
+        else:
+            init(group, *args, **kwargs)
 
     # -- the upcast moment (Note [Upcast moment]) -------------------------------------
 
@@ -340,8 +393,11 @@ class DtypeFix:
         if already or any(plan_group_dtypes(group_entries).is_mixed for _, group_entries in entries):
             strategy = self.strategy_of(groups[0])
             for group, group_upcast in strategy.upcast_model(entries, _compat.user_class_name(root), group_fqns(root)):
-                group.__dict__[_DECISION_ATTR].upcast = True
+                decision = group.__dict__[_DECISION_ATTR]
+                decision.upcast = True
                 upcast.extend(group_upcast)
+                if decision.layout is not None:  # its lazy init ran (an explicit unshard()): FSDP's dtypes again
+                    _compat.redo_group_mp_dtypes(group)
             if upcast:
                 _say_installed_late(root, [group for group, _ in entries])
         self._watch_frozen(entries)
@@ -399,6 +455,7 @@ class DtypeFix:
             if is_root_flag(state) is None and fix.active:
                 root = _compat.root_module_of(state)
                 if root is not None:
+                    fix.adopt_groups_built_past_the_hook(root)
                     fix.upcast_model(root)
                     if _compat.probe_uniform_dtype_check() == "lazy_init":
                         _refuse_preserve_before_group_lazy_init(root)
@@ -446,6 +503,7 @@ class DtypeFix:
         def __init__(group: Any, *args: Any, **kwargs: Any) -> None:
             if not fix.active:
                 return original(group, *args, **kwargs)
+            group.__dict__[_BUILT_ATTR] = False  # being built through the hook (``build_group``)
             bound = _compat.bind_param_group_init(original, (group, *args), kwargs)
             params, modules, mp_policy = (bound.arguments[k] for k in ("params", "modules", "mp_policy"))
             # Per-parameter compute dtypes are chosen on the parameters as loaded, before any cast.
@@ -701,6 +759,13 @@ class GroupKeeper:
                 return
             if fix is not None:
                 _compute_dtype.check_defaults_matched(group)
+            modules = _compat.group_modules(group)
+            if decision is None and modules and _built_past_the_hook(group):
+                fix.adopt_groups_built_past_the_hook(modules[0])  # ``unshard()`` first: no root lazy init yet
+            if decision is None and group in fix._undecided:
+                # Note [Upcast moment]: a group's lazy init before its root's (``unshard()`` first).
+                fix.upcast_model(modules[0])
+                decision = group.__dict__.get(_DECISION_ATTR)
             if decision is None:
                 decision = group.__dict__[_DECISION_ATTR] = GroupDecision(fix.strategy, None)
             layout = _layout(group)
@@ -754,6 +819,28 @@ def _reindex_after_load(fix_ref: weakref.ref, group_ref: weakref.ref, module: to
     fix, group = fix_ref(), group_ref()
     if fix is not None and group is not None and group in fix._undecided:
         fix._index_params(group)
+
+
+def _built_past_the_hook(group: Any) -> bool:
+    """Note [Built past the hook]: built while the fix was installed, not through its hook."""
+    return not group.__dict__.get(_BUILT_ATTR) and _EXISTED_ATTR not in group.__dict__
+
+
+def _refuse_built_past_the_hook(root: torch.nn.Module, groups: list, init: Callable) -> None:
+    """Note [Built past the hook]: one error naming the groups and what stands in the constructor's place."""
+    name = group_fqns(root)
+    current = _compat.describe_function(init)
+    wrappers = [w for w in _compat.foreign_functions_before_torch(init, "__init__") if w != current]
+    raise MixedParamDtypeError(
+        f"torch_fsdp_ext: FSDP2 group(s) {', '.join(repr(name(g)) for g in groups)} of "
+        f"{_compat.user_class_name(root)} were built by fully_shard without the plugin's FSDPParamGroup.__init__ "
+        f"hook, although the plugin was installed: a wrapper that calls torch's own constructor directly "
+        f"(FSDPParamGroup.__init__ is now {current}{', then ' + ', '.join(wrappers) if wrappers else ''}). The model's "
+        "trainable parameters mix dtypes, and the plugin cannot tell whether weights loaded into it since were "
+        "rounded to its loaded dtypes, so it does not train it differently from model.float() in silence. Fix: "
+        "apply that wrapper before import torch_fsdp_ext, or let it call the FSDPParamGroup.__init__ it finds on "
+        "the class; or cast the model to one dtype before fully_shard (model.float())."
+    )
 
 
 def _refuse_forward(message: str, module: torch.nn.Module, args: tuple) -> None:

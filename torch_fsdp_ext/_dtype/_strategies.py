@@ -191,7 +191,9 @@ def change_sharded_param_dtype(fsdp_param: Any, dtype: torch.dtype) -> None:
     The ``nn.Parameter`` object keeps its identity (``swap_tensors``), so an
     optimizer that already holds it keeps stepping the parameter the model uses.
     ``reset_sharded_param`` then re-pads the new local shard and re-pins it when
-    CPU offload asks for pinned memory.
+    CPU offload asks for pinned memory. Between ``unshard()`` and ``reshard()`` only the
+    sharded parameter changes (the master); the unsharded view the module holds keeps its
+    values, which are what an all-gather of the new master would give.
     """
     from torch.distributed.tensor import DTensor
 
@@ -208,7 +210,7 @@ def change_sharded_param_dtype(fsdp_param: Any, dtype: torch.dtype) -> None:
         requires_grad=param.requires_grad,
     )
     torch.utils.swap_tensors(param, replacement)
-    fsdp_param.reset_sharded_param()
+    _compat.reset_sharded_param(fsdp_param)
 
 
 def upcast_param(group: Any, fsdp_param: Any, dtype: Any) -> None:
