@@ -1,0 +1,205 @@
+"""The reduce fix: FSDP2's gradient reduction with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``.
+
+Three cases of an ordinary fp32 model in one ``fully_shard`` group, each failing on the releases that have it:
+
+- accumulation without sync where a parameter's gradient first appears on the synchronizing micro-batch
+  (pytorch#196996, #160279): ``AssertionError: FSDP reduce-scatter expects uniform gradient dtype``;
+- ``set_reduce_scatter_unused_params(True)`` with accumulation (pytorch#196996): the same assertion;
+- the first forward with every parameter frozen, then unfrozen and trained (pytorch#186998): ``RuntimeError:
+  attempting to assign a gradient with dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'``.
+
+The reference for each: every rank's gradients computed in bf16 by a plain copy of the model, cast to fp32,
+accumulated over the micro-batches and averaged over the ranks, then one SGD step; torch 2.15 computes exactly
+that (the same tests run there, where the plugin installs nothing for this fix).
+"""
+
+from __future__ import annotations
+
+import copy
+import unittest
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+import torch_fsdp_ext
+from common import FSDPExtTestCase, MixedPrecisionPolicy, fully_shard, full_params, plugin, plugin_specific
+from torch_fsdp_ext import _compat
+
+MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+LR = 0.1
+
+HAS_GRAD_DTYPES_BUG = bool(_compat.probe_reduce_rejects_mixed_grad_dtypes())
+HAS_FROZEN_BUG = bool(_compat.probe_frozen_first_forward_drops_reduce_dtype())
+HAS_UNUSED_API = hasattr(_compat.fsdp2_api().FSDPModule, "set_reduce_scatter_unused_params")
+needs_unused_api = unittest.skipUnless(HAS_UNUSED_API, "this torch has no set_reduce_scatter_unused_params")
+
+
+class Branches(nn.Module):
+    """``a`` runs on every micro-batch; ``b`` only where the micro-batch asks for it (an MoE expert, a branch)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.a(x)
+        return h + self.b(x) if use_b else h
+
+
+def micro_batch(rank: int, index: int) -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * index + rank))
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+# (uses b on each micro-batch; the last one synchronizes), per case
+CASES = {
+    "fresh_on_sync": (False, True),
+    "unused": (False, False),
+    "frozen_first_forward": (True,),
+}
+
+
+def reference(model: nn.Module, uses_b: tuple[bool, ...], rank: int, world_size: int):
+    """Gradients (fp32, averaged over the ranks) and SGD-updated parameters, by hand."""
+    compute = copy.deepcopy(model).to(torch.bfloat16)
+    accumulated: dict[str, torch.Tensor] = {}
+    for index, use_b in enumerate(uses_b):
+        compute.zero_grad(set_to_none=True)
+        loss_of(compute(micro_batch(rank, index).to(torch.bfloat16), use_b)).backward()
+        for name, param in compute.named_parameters():
+            if param.grad is not None:
+                grad = param.grad.to(torch.float32)
+                accumulated[name] = grad if name not in accumulated else accumulated[name] + grad
+    updated = copy.deepcopy(model)
+    grads = {}
+    for name, param in updated.named_parameters():
+        local = accumulated.get(name, torch.zeros_like(param))
+        gathered = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(gathered, local)
+        grads[name] = param.grad = torch.stack(gathered).sum(0) / world_size
+    torch.optim.SGD(updated.parameters(), lr=LR).step()
+    return grads, full_params(updated)
+
+
+class TestReduceCases(FSDPExtTestCase):
+    def _train(self, case: str, model: nn.Module):
+        """Shard ``model`` and run ``case``; the gradients after the synchronizing micro-batch and the updated
+        parameters."""
+        uses_b = CASES[case]
+        fully_shard(model, mp_policy=MP)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        if case == "unused":
+            model.set_reduce_scatter_unused_params(True)
+        if case == "frozen_first_forward":
+            model.requires_grad_(False)
+            with torch.no_grad():
+                model(micro_batch(self.rank, 99), True)  # a rollout or evaluation before training
+            model.requires_grad_(True)
+        for index, use_b in enumerate(uses_b):
+            model.set_requires_gradient_sync(index == len(uses_b) - 1)
+            loss_of(model(micro_batch(self.rank, index), use_b)).backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        optimizer.step()
+        return grads, full_params(model)
+
+    def _check_case(self, case: str) -> None:
+        torch.manual_seed(0)
+        model = Branches()
+        expected_grads, expected_params = reference(model, CASES[case], self.rank, self.world_size)
+        with plugin(True):
+            grads, params = self._train(case, model)
+        for name in expected_grads:
+            self.assertEqual(grads[name].dtype, torch.float32)
+            self.assertTrue(torch.equal(grads[name], expected_grads[name]), f"{case}: gradient of {name} differs")
+            self.assertTrue(torch.equal(params[name], expected_params[name]), f"{case}: {name} differs")
+
+    def _check_fails_without_plugin(self, case: str, error: type, message: str) -> None:
+        torch.manual_seed(0)
+        with plugin(False), self.assertRaisesRegex(error, message):
+            self._train(case, Branches())
+
+    def test_fresh_gradient_on_the_sync_micro_batch_equals_reference(self):
+        self._check_case("fresh_on_sync")
+
+    @needs_unused_api
+    def test_unused_parameters_with_accumulation_equal_reference(self):
+        self._check_case("unused")
+
+    def test_frozen_first_forward_then_trained_equals_reference(self):
+        self._check_case("frozen_first_forward")
+
+    @unittest.skipUnless(HAS_GRAD_DTYPES_BUG, "this torch reduces gradients of two dtypes itself")
+    @plugin_specific
+    def test_fresh_gradient_on_the_sync_micro_batch_fails_without_plugin(self):
+        self._check_fails_without_plugin("fresh_on_sync", AssertionError, "expects uniform gradient dtype")
+
+    @unittest.skipUnless(HAS_GRAD_DTYPES_BUG, "this torch reduces gradients of two dtypes itself")
+    @needs_unused_api
+    @plugin_specific
+    def test_unused_parameters_with_accumulation_fail_without_plugin(self):
+        self._check_fails_without_plugin("unused", AssertionError, "expects uniform gradient dtype")
+
+    @unittest.skipUnless(HAS_FROZEN_BUG, "this torch resolves a frozen group's reduce dtype itself (pytorch#187376)")
+    @plugin_specific
+    def test_frozen_first_forward_fails_without_plugin(self):
+        self._check_fails_without_plugin("frozen_first_forward", RuntimeError, "grad_dtype")
+
+
+@plugin_specific
+class TestReduceFixInstall(TestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        self.before = [name for name, fix in torch_fsdp_ext.status().fixes.items() if fix.active]
+        torch_fsdp_ext.uninstall()
+
+    def tearDown(self) -> None:
+        torch_fsdp_ext.uninstall()
+        torch_fsdp_ext.install(self.before)
+        super().tearDown()
+
+    def test_installed_where_a_part_is_needed_and_restored_by_uninstall(self):
+        module = _compat.load_internals().fsdp_param_group_module
+        original = module.foreach_reduce
+        active = torch_fsdp_ext.install(["reduce"])
+        fix = torch_fsdp_ext.status().fixes["reduce"]
+        parts = fix.details["parts"]
+        self.assertEqual(parts["mixed gradient dtypes"], "torch_fsdp_ext" if HAS_GRAD_DTYPES_BUG else "upstream")
+        self.assertEqual(parts["frozen first forward"], "torch_fsdp_ext" if HAS_FROZEN_BUG else "upstream")
+        if HAS_GRAD_DTYPES_BUG or HAS_FROZEN_BUG:
+            self.assertEqual(active, ["reduce"])
+            self.assertTrue(fix.active)
+            self.assertIsNot(module.foreach_reduce, original)
+            self.assertEqual(fix.wraps, [f"{module.__name__}.foreach_reduce"])
+        else:  # 2.15: nothing installed, nothing patched
+            self.assertEqual(active, [])
+            self.assertFalse(fix.active)
+            self.assertFalse(fix.needed)
+            self.assertIs(module.foreach_reduce, original)
+            self.assertEqual(fix.wraps, [])
+        self.assertEqual(torch_fsdp_ext.install(["reduce"]), active)  # idempotent
+        torch_fsdp_ext.uninstall(["reduce"])
+        self.assertIs(module.foreach_reduce, original)
+        self.assertFalse(torch_fsdp_ext.status().fixes["reduce"].active)
+
+    def test_status_names_each_part(self):
+        torch_fsdp_ext.install()
+        text = str(torch_fsdp_ext.status())
+        row = next(line for line in text.splitlines() if line.startswith("reduce "))
+        if HAS_GRAD_DTYPES_BUG and HAS_FROZEN_BUG:
+            self.assertRegex(row, r"^reduce\s+yes\s+yes")
+            self.assertIn("reduce: the plugin fixes the mixed gradient dtypes and the frozen first forward.", text)
+        elif HAS_GRAD_DTYPES_BUG:
+            self.assertRegex(row, r"^reduce\s+partly\s+yes")
+            self.assertIn("reduce: needed in part: this torch fixes the frozen first forward itself.", text)
+        else:
+            self.assertRegex(row, r"^reduce\s+no\s+no")
+
+
+if __name__ == "__main__":
+    run_tests()
