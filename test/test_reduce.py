@@ -16,7 +16,10 @@ that (the same tests run there, where the plugin installs nothing for this fix).
 from __future__ import annotations
 
 import copy
+import gc
+import importlib
 import unittest
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -149,6 +152,136 @@ class TestReduceCases(FSDPExtTestCase):
     @plugin_specific
     def test_frozen_first_forward_fails_without_plugin(self):
         self._check_fails_without_plugin("frozen_first_forward", RuntimeError, "grad_dtype")
+
+
+def reduce_modules():
+    internals = _compat.load_internals()
+    collectives = importlib.import_module(internals.fsdp_package + "._fsdp_collectives")
+    return collectives, internals.fsdp_param_group_module
+
+
+def nemo_patch():
+    """NeMo Automodel's own ``patch_fsdp_uniform_reduce_dtype`` (process-global, no undo), or None."""
+    try:
+        from nemo_automodel.components.distributed.fsdp_patches import patch_fsdp_uniform_reduce_dtype
+    except Exception:  # noqa: BLE001 - not installed, or it does not import with this torch
+        return None
+    return patch_fsdp_uniform_reduce_dtype
+
+
+class MixedChild(nn.Module):
+    """A bf16 linear and an fp32 norm: a group that ``preserve`` keeps mixed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16).to(torch.bfloat16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x))
+
+
+class BranchesAfterMixed(Branches):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = MixedChild()
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return super().forward(self.child(x), use_b)
+
+
+@plugin_specific
+class TestReduceComposition(FSDPExtTestCase):
+    def _fresh_on_sync(self, model: nn.Module):
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        for index, use_b in enumerate(CASES["fresh_on_sync"]):
+            model.set_requires_gradient_sync(index == 1)
+            loss_of(model(micro_batch(self.rank, index), use_b)).backward()
+        optimizer.step()
+        return full_params(model)
+
+    def _with_nemo(self, when: str):
+        """The fresh-on-sync case with NeMo's wrapper applied ``when``: never, before or after the plugin's install."""
+        collectives, param_group_module = reduce_modules()
+        previous = collectives.foreach_reduce, param_group_module.foreach_reduce
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # uninstall() names NeMo's wrapper put over the plugin's
+                if when == "before":
+                    nemo_patch()()
+                with plugin(True):
+                    if when == "after":
+                        nemo_patch()()
+                    torch.manual_seed(0)
+                    model = Branches()
+                    expected = reference(model, CASES["fresh_on_sync"], self.rank, self.world_size)[1]
+                    fully_shard(model, mp_policy=MP)
+                    return self._fresh_on_sync(model), expected
+        finally:
+            collectives.foreach_reduce, param_group_module.foreach_reduce = previous
+
+    @unittest.skipIf(nemo_patch() is None, "nemo_automodel does not import here")
+    def test_nemo_wrapper_either_order_is_bit_for_bit_with_the_plugin_alone(self):
+        alone, expected = self._with_nemo("never")
+        for when in ("before", "after"):
+            with self.subTest(when=when):
+                params, _ = self._with_nemo(when)
+                for name, value in params.items():
+                    self.assertTrue(torch.equal(value, alone[name]), f"NeMo {when}: {name} differs")
+                    self.assertTrue(torch.equal(value, expected[name]), f"NeMo {when}: {name} differs from reference")
+
+    def _preserve_run(self, order: tuple[str, ...]):
+        torch_fsdp_ext.uninstall()
+        for name in order:
+            torch_fsdp_ext.install([name], dtype_strategy="preserve")
+        try:
+            torch.manual_seed(0)
+            model = BranchesAfterMixed()
+            fully_shard(model.child, mp_policy=MP)
+            fully_shard(model, mp_policy=MP)
+            params = self._fresh_on_sync(model)
+            return params
+        finally:
+            model = None
+            gc.collect()
+            torch_fsdp_ext.uninstall()
+            torch_fsdp_ext.install(dtype_strategy="upcast")
+
+    def test_with_preserve_in_either_install_order(self):
+        first = self._preserve_run(("dtype", "reduce"))
+        self.assertEqual({first[n].dtype for n in ("child.linear.weight", "child.norm.weight")},
+                         {torch.bfloat16, torch.float32})  # the child group stayed mixed
+        second = self._preserve_run(("reduce", "dtype"))
+        for name, value in first.items():
+            self.assertTrue(torch.equal(value, second[name]), f"{name} differs between install orders")
+
+    def test_reduce_uninstalled_under_the_mixed_group_wrapper_restores_torch_later(self):
+        """Note [Buried patches]: the dtype fix wraps foreach_reduce over the reduce fix's wrapper while a mixed
+        group lives; uninstalling the reduce fix then leaves its wrapper inert there, and torch's function comes
+        back when the mixed group goes."""
+        param_group_module = reduce_modules()[1]
+        torch_fsdp_ext.uninstall()
+        original = param_group_module.foreach_reduce
+        torch_fsdp_ext.install(dtype_strategy="preserve")
+        try:
+            torch.manual_seed(0)
+            model = BranchesAfterMixed()
+            fully_shard(model.child, mp_policy=MP)
+            fully_shard(model, mp_policy=MP)
+            self._fresh_on_sync(model)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no "left ... as it is": the wrapper above is the plugin's own
+                torch_fsdp_ext.uninstall(["reduce"])
+            if HAS_GRAD_DTYPES_BUG:
+                with self.assertRaisesRegex(AssertionError, "expects uniform gradient dtype"):
+                    self._fresh_on_sync(model)  # inert: torch's own assertion again
+            model = None
+            gc.collect()
+            torch_fsdp_ext.uninstall()
+            self.assertIs(param_group_module.foreach_reduce, original)
+        finally:
+            torch_fsdp_ext.uninstall()
+            torch_fsdp_ext.install(dtype_strategy="upcast")
 
 
 @plugin_specific
