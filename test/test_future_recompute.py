@@ -61,7 +61,8 @@ class TestSimulatedReleases(unittest.TestCase):
                 self.assertEqual(len(fixed["warnings"]), 1, fixed["warnings"])
                 self.assertIn("'recompute'", fixed["warnings"][0])
                 self.assertIn(named, fixed["warnings"][0])
-                self.assertEqual(fixed["active"], {"dtype": True, "recompute": False, "reduce": reduce_active()})  # the dtype fix still works
+                # the dtype fix still works
+                self.assertEqual(fixed["active"], {"dtype": True, "recompute": False, "reduce": reduce_active()})
                 self.assertIsNone(fixed["recompute_needed"])
                 self.assertEqual(fixed["plain"], plain["plain"])  # bit for bit, checkpoint without FSDP
                 self.assertEqual(fixed["fsdp"], plain["fsdp"])  # and under fully_shard

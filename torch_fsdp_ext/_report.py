@@ -57,8 +57,9 @@ def why_sentences(fix: Any) -> list[str]:
         return [f"{fix.name}: not needed: {fix.reason}."]
     parts = fix.details.get("parts")
     if parts:
+        ours = [what for what, who in parts.items() if who == "torch_fsdp_ext"]
         torch_own = [what for what, who in parts.items() if who == "upstream"]
-        does = f"{fix.name}: the plugin fixes {listed([what for what, who in parts.items() if who == 'torch_fsdp_ext'])}."
+        does = f"{fix.name}: the plugin fixes {listed(ours)}."
         if not torch_own:
             return [f"{fix.name}: needed, because {fix.reason}.", does]
         return [f"{fix.name}: needed in part: this torch fixes {listed(torch_own)} itself.", does]
