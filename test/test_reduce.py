@@ -27,14 +27,15 @@ import torch.nn as nn
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_fsdp_ext
-from common import FSDPExtTestCase, MixedPrecisionPolicy, fully_shard, full_params, plugin, plugin_specific
+from common import (
+    HAS_FROZEN_BUG, HAS_GRAD_DTYPES_BUG, FSDPExtTestCase, MixedPrecisionPolicy, full_params, fully_shard, plugin,
+    plugin_specific,
+)
 from torch_fsdp_ext import _compat
 
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 LR = 0.1
 
-HAS_GRAD_DTYPES_BUG = bool(_compat.probe_reduce_rejects_mixed_grad_dtypes())
-HAS_FROZEN_BUG = bool(_compat.probe_frozen_first_forward_drops_reduce_dtype())
 HAS_UNUSED_API = hasattr(_compat.fsdp2_api().FSDPModule, "set_reduce_scatter_unused_params")
 needs_unused_api = unittest.skipUnless(HAS_UNUSED_API, "this torch has no set_reduce_scatter_unused_params")
 
