@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Callable
 
 from .. import _compat
@@ -48,11 +49,15 @@ class MixedGradDtypes:
         self.active = True
 
 
+_dtype_of = operator.attrgetter("dtype")
+
+
 def wrap_foreach_reduce(part: MixedGradDtypes, grads_at: int, reduce_at: int, original: Callable) -> Callable:
     @wraps(original)
     def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
         grads = args[grads_at] if len(args) > grads_at else kwargs["unsharded_grads"]
-        if len({grad.dtype for grad in grads}) > 1 and part.active:
+        # Note: map/set iterate in C: no Python bytecode per gradient on the path that finds one dtype.
+        if len(set(map(_dtype_of, grads))) > 1 and part.active:
             reduce_dtype = args[reduce_at] if len(args) > reduce_at else kwargs.get("reduce_dtype")
             # Note: without a reduce dtype torch's own check (or the dtype fix's mixed groups) decides.
             if reduce_dtype is not None:
