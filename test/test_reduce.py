@@ -28,8 +28,8 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_fsdp_ext
 from common import (
-    HAS_FROZEN_BUG, HAS_GRAD_DTYPES_BUG, FSDPExtTestCase, MixedPrecisionPolicy, full_params, fully_shard, plugin,
-    plugin_specific,
+    HAS_FROZEN_BUG, HAS_GRAD_DTYPES_BUG, FSDPExtTestCase, MixedPrecisionPolicy, batch, full_params, fully_shard,
+    needs_dtype_fix, plugin, plugin_specific, seed_000_model, shard_model,
 )
 from torch_fsdp_ext import _compat
 
@@ -283,6 +283,25 @@ class TestReduceComposition(FSDPExtTestCase):
         finally:
             torch_fsdp_ext.uninstall()
             torch_fsdp_ext.install(dtype_strategy="upcast")
+
+
+@needs_dtype_fix
+@plugin_specific
+class TestReduceFixOnEveryRank(FSDPExtTestCase):
+    def test_a_rank_without_the_reduce_fix_fails_on_every_rank_naming_it(self):
+        """The ranks compare the fixes they installed (three names now) at the first forward."""
+        with plugin(True):
+            if not torch_fsdp_ext.status().fixes["reduce"].active:
+                self.skipTest("this torch needs no reduce fix: nothing can differ")
+            if self.rank == 1:
+                torch_fsdp_ext.uninstall(["reduce"])
+            model = shard_model(seed_000_model(), mp_policy=MP)
+            with self.assertRaises(torch_fsdp_ext.MixedParamDtypeError) as caught:
+                model(batch(self.rank, 0))
+        self.assertTrue(str(caught.exception).startswith(
+            "torch_fsdp_ext: fix 'reduce' is installed on rank(s) 0 and not on rank(s) 1; every rank must install "
+            "the same fixes"
+        ), str(caught.exception))
 
 
 @plugin_specific
