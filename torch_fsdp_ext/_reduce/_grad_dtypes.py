@@ -33,8 +33,7 @@ class MixedGradDtypes:
         if rejects is None:
             return None, "cannot tell whether foreach_reduce accepts gradients of two dtypes (its probe did not run)"
         if rejects:
-            return True, ("foreach_reduce asserts one gradient dtype, which accumulation without sync breaks when "
-                          "a gradient first appears on the synchronizing micro-batch (pytorch#196996)")
+            return True, "foreach_reduce asserts one gradient dtype (pytorch#196996)"
         return False, "foreach_reduce brings gradients of several dtypes to the reduce dtype itself"
 
     def wrapped_symbols(self) -> list[str]:
