@@ -62,7 +62,8 @@ FIX_SYMBOLS: dict[str, frozenset[str]] = {
         "FSDPState", "TrainingState", "cast_fp_tensor", "MixedPrecisionPolicy", "apply_to_tensors", "to_kwargs",
         "checkpoint_hook", "recomputation_hook", "CheckpointFrame", "module_state_mapping",
     }),
-    "reduce": frozenset({"FSDPParamGroup", "fsdp_param_group_module", "MixedPrecisionPolicy"}),
+    # The reduce fix wraps foreach_reduce only; without FSDPParamGroup its frozen-first-forward probe answers None.
+    "reduce": frozenset({"fsdp_param_group_module", "MixedPrecisionPolicy"}),
 }
 
 # Methods that the fixes wrap, by the name used above.
@@ -1164,7 +1165,8 @@ def probe_frozen_first_forward_drops_reduce_dtype() -> bool | None:
     fixed (pytorch#187376, 2.14).
     """
     internals = load_internals()
-    init_mp_dtypes = torch_own(internals.FSDPParamGroup.__dict__.get("_init_mp_dtypes"), "_init_mp_dtypes")
+    group_cls = internals.symbols.get("FSDPParamGroup")
+    init_mp_dtypes = torch_own(vars(group_cls).get("_init_mp_dtypes") if group_cls else None, "_init_mp_dtypes")
     if init_mp_dtypes is None:
         return None
     policy = internals.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
