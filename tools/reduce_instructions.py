@@ -31,9 +31,11 @@ if {patched}:
     for part in fix.parts:
         part.active = True
     if fix.parts[0].needed()[0]:
-        reduce = _grad_dtypes.wrap_foreach_reduce(fix.parts[0], positions["unsharded_grads"], positions["reduce_dtype"], reduce)
+        reduce = _grad_dtypes.wrap_foreach_reduce(
+            fix.parts[0], positions["unsharded_grads"], positions["reduce_dtype"], reduce)
     if fix.parts[1].needed()[0]:
-        reduce = _frozen_first_forward.wrap_foreach_reduce(fix.parts[1], positions["orig_dtype"], positions["reduce_dtype"], reduce)
+        reduce = _frozen_first_forward.wrap_foreach_reduce(
+            fix.parts[1], positions["orig_dtype"], positions["reduce_dtype"], reduce)
 grads = [torch.zeros(4) for _ in range({n})]
 args = [None] * (max(positions.values()) + 1)
 args[positions["unsharded_grads"]] = grads
