@@ -47,6 +47,8 @@ if UPSTREAM_ONLY:
 HAS_DTYPE_BUG = bool(_compat.probe_rejects_mixed_trainable_dtypes())
 needs_dtype_fix = unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes: the dtype fix is off")
 HAS_RECOMPUTE_CAST_BUG = _compat.probe_recompute_casts_inputs() is False
+HAS_GRAD_DTYPES_BUG = bool(_compat.probe_reduce_rejects_mixed_grad_dtypes())  # pytorch#196996, up to 2.14
+HAS_FROZEN_BUG = bool(_compat.probe_frozen_first_forward_drops_reduce_dtype())  # pytorch#186998, up to 2.13
 
 
 def use_nccl(world_size: int) -> bool:

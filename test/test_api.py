@@ -75,10 +75,13 @@ class TestInstallUninstall(TestCase):
         # test_orders) and, where torch's decorator calls them through a cell, FSDP's
         # pre/post-forward (switched only while a checkpoint region runs); the recompute fix alone wraps 8.
         # The dtype fix also wraps Optimizer.add_param_group and three state-dict entry points.
+        # The reduce fix wraps foreach_reduce where this torch needs it.
         switched = 2 if torch_fsdp_ext._install._active["recompute"][0].switches_hooks else 0
         outside = 1 + len(_compat.state_dict_entry_points())
         self.assertEqual(outside, 4)
-        self.assertEqual(len(changed), (len(_compat.WRAPPED_METHODS) - 3 + outside if HAS_DTYPE_BUG else 8) - switched)
+        reduce_wraps = 1 if "reduce" in torch_fsdp_ext._install._active else 0
+        expected = (len(_compat.WRAPPED_METHODS) - 3 + outside if HAS_DTYPE_BUG else 8) - switched + reduce_wraps
+        self.assertEqual(len(changed), expected)
         for _ in range(1000):
             torch_fsdp_ext.install()
             torch_fsdp_ext.uninstall()
@@ -319,6 +322,8 @@ class TestFreshInterpreter(TestCase):
             _compat.probe_rejects_mixed_trainable_dtypes = lambda: False  # as if upstream fixed it
             _compat.probe_recompute_casts_inputs = lambda: True
             _compat.probe_recompute_moves_inputs = lambda: True
+            _compat.probe_reduce_rejects_mixed_grad_dtypes = lambda: False
+            _compat.probe_frozen_first_forward_drops_reduce_dtype = lambda: False
             from torch_fsdp_ext._report import plugin_does
             dtype = torch_fsdp_ext.status().fixes["dtype"]
             print(torch_fsdp_ext.install(), dtype.reason)

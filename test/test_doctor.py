@@ -10,7 +10,7 @@ import textwrap
 
 from torch.testing._internal.common_utils import TestCase, run_tests
 
-from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, ROOT
+from common import HAS_DTYPE_BUG, HAS_FROZEN_BUG, HAS_GRAD_DTYPES_BUG, HAS_RECOMPUTE_CAST_BUG, ROOT
 
 
 # Installed as sitecustomize.py, it hides numpy from every interpreter the command starts (its ranks too), as
@@ -55,6 +55,17 @@ def table(stdout: str) -> str:
     return "\n".join(lines[start:end])
 
 
+# The reduce fix's row, by (this torch has the mixed-gradient-dtype failure, the frozen-first-forward failure).
+REDUCE_ROWS = {
+    (True, True): "reduce     yes     yes     AssertionError → fixed                "
+                  "fixes mixed gradient dtypes, frozen first forward",  # 2.12, 2.13
+    (True, False): "reduce     partly  yes     AssertionError → fixed                "
+                   "fixes mixed gradient dtypes (torch: frozen first forward)",  # 2.14
+    (False, False): "reduce     no      no      no failure → runs                     "
+                    "this torch reduces each of these cases in the reduce dtype itself",  # 2.15
+}
+
+
 class TestDoctor(TestCase):
     def test_table_and_exit_status(self):
         result = run_doctor()
@@ -62,9 +73,13 @@ class TestDoctor(TestCase):
         self.assertTrue(result.stdout.startswith("torch_fsdp_ext doctor\ntorch "))
         self.assertIn("self-test: 2 rank(s), gloo on cpu", result.stdout)
         self.assertEqual([l for l in result.stdout.splitlines() if len(l) > 160], [], "lines a terminal wraps")
+        rows = table(result.stdout).splitlines()
+        reduce_row = next(row for row in rows if row.startswith("reduce "))
+        self.assertEqual(reduce_row, REDUCE_ROWS[HAS_GRAD_DTYPES_BUG, HAS_FROZEN_BUG])
+        others = "\n".join(row for row in rows if row is not reduce_row)
         if HAS_DTYPE_BUG and HAS_RECOMPUTE_CAST_BUG:  # e.g. torch 2.12
             self.assertExpectedInline(
-                table(result.stdout),
+                others,
                 """\
 fix        needed  active  seed scenario: without → with plugin  plugin does
 dtype      yes     yes     AssertionError → fixed                strategy upcast
@@ -72,7 +87,7 @@ recompute  yes     yes     CheckpointError → fixed               replays input
             )
         elif HAS_DTYPE_BUG:  # e.g. torch 2.13: upstream replays the input cast, so recompute is needed in part
             self.assertExpectedInline(
-                table(result.stdout),
+                others,
                 """\
 fix        needed  active  seed scenario: without → with plugin  plugin does
 dtype      yes     yes     AssertionError → fixed                strategy upcast
@@ -82,7 +97,7 @@ recompute  partly  yes     no failure → runs                     replays root 
             # README.md shows this release's table: it must be what doctor prints.
             with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
                 readme = f.read()
-            for line in table(result.stdout).splitlines():
+            for line in others.splitlines():
                 self.assertIn(f"    {line}\n", readme)
         else:
             self.skipTest("no expected table for a torch without the dtype bug")

@@ -542,7 +542,7 @@ class TestSettings(TestCase):
         with self.assertRaises(ValueError) as raised:
             torch_fsdp_ext.install("preserve")
         self.assertExpectedInline(str(raised.exception), """\
-torch_fsdp_ext: unknown fix(es) ['preserve']; choose from ('dtype', 'recompute'); 'preserve' is a dtype strategy: install(dtype_strategy='preserve')""")
+torch_fsdp_ext: unknown fix(es) ['preserve']; choose from ('dtype', 'recompute', 'reduce'); 'preserve' is a dtype strategy: install(dtype_strategy='preserve')""")
 
     def test_switch_parsing(self):
         cases = {"1": True, "TRUE": True, " 1": True, "on": True, "Yes ": True, "0": False, "off": False,

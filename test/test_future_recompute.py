@@ -7,6 +7,7 @@ and training, with checkpoint, with and without FSDP, equals plain torch's bit f
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -37,6 +38,12 @@ def simulate(case: str, *flags: str, env: dict | None = None) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@functools.lru_cache(maxsize=None)
+def reduce_active() -> bool:
+    """Whether the reduce fix installs on this torch unchanged (none of these changes touches what it wraps)."""
+    return simulate("none", "--plugin")["active"]["reduce"]
+
+
 def sets_sorted(message: str | None) -> str | None:
     """``message`` with each printed set's items in sorted order (set order differs between processes)."""
     if message is None:
@@ -54,7 +61,8 @@ class TestSimulatedReleases(unittest.TestCase):
                 self.assertEqual(len(fixed["warnings"]), 1, fixed["warnings"])
                 self.assertIn("'recompute'", fixed["warnings"][0])
                 self.assertIn(named, fixed["warnings"][0])
-                self.assertEqual(fixed["active"], {"dtype": True, "recompute": False})  # the dtype fix still works
+                # the dtype fix still works
+                self.assertEqual(fixed["active"], {"dtype": True, "recompute": False, "reduce": reduce_active()})
                 self.assertIsNone(fixed["recompute_needed"])
                 self.assertEqual(fixed["plain"], plain["plain"])  # bit for bit, checkpoint without FSDP
                 self.assertEqual(fixed["fsdp"], plain["fsdp"])  # and under fully_shard
@@ -66,7 +74,7 @@ class TestSimulatedReleases(unittest.TestCase):
             with self.subTest(case=case):
                 fixed = simulate(case, "--plugin", "--bf16")
                 self.assertEqual(fixed["warnings"], [])
-                self.assertEqual(fixed["active"], {"dtype": True, "recompute": True})
+                self.assertEqual(fixed["active"], {"dtype": True, "recompute": True, "reduce": reduce_active()})
                 self.assertEqual(fixed["plain"], reference["plain"])
                 self.assertEqual(fixed["fsdp"], reference["fsdp"])
 
@@ -86,7 +94,7 @@ class TestSimulatedReleases(unittest.TestCase):
                 self.assertEqual(len(fixed["warnings"]), 1, fixed["warnings"])
                 self.assertIn(f"fix '{aside}' not installed", fixed["warnings"][0])
                 self.assertIn(named, fixed["warnings"][0])
-                self.assertEqual(fixed["active"], {aside: False, works: True})
+                self.assertEqual(fixed["active"], {aside: False, works: True, "reduce": reduce_active()})
                 self.assertEqual(fixed["plain"], plain["plain"])  # checkpoint without FSDP: plain torch's
 
     def test_uniform_check_moved_into_the_group_lazy_init(self) -> None:
@@ -97,7 +105,7 @@ class TestSimulatedReleases(unittest.TestCase):
         reference, fixed = simulate("none", "--plugin", "--mixed"), simulate(case, "--plugin", "--mixed")
         self.assertNotIn("error", fixed)
         self.assertEqual(fixed["warnings"], [])
-        self.assertEqual(fixed["active"], {"dtype": True, "recompute": True})
+        self.assertEqual(fixed["active"], {"dtype": True, "recompute": True, "reduce": reduce_active()})
         self.assertIn("FSDPParamGroup.lazy_init asserts one dtype", fixed["dtype_reason"])  # not "fixed upstream"
         self.assertEqual(fixed["fsdp"], reference["fsdp"])  # upcast: bit for bit as on torch unchanged
         preserved = simulate(case, "--plugin", "--mixed", env={"TORCH_FSDP_EXT_DTYPE_STRATEGY": "preserve"})
@@ -113,7 +121,7 @@ class TestSimulatedReleases(unittest.TestCase):
         case = "uniform_check_removed"
         plain, fixed = simulate(case, "--mixed"), simulate(case, "--plugin", "--mixed")
         self.assertEqual(fixed["warnings"], [])
-        self.assertEqual(fixed["active"], {"dtype": False, "recompute": True})
+        self.assertEqual(fixed["active"], {"dtype": False, "recompute": True, "reduce": reduce_active()})
         self.assertEqual(fixed["dtype_reason"], "this torch accepts mixed trainable dtypes in one group")
         self.assertEqual(fixed.get("fsdp"), plain.get("fsdp"))
         self.assertEqual(sets_sorted(fixed.get("error")), sets_sorted(plain.get("error")))
@@ -126,7 +134,7 @@ class TestSimulatedReleases(unittest.TestCase):
         self.assertEqual(len(fixed["warnings"]), 1, fixed["warnings"])
         self.assertIn("fix 'dtype' not installed", fixed["warnings"][0])
         self.assertIn("FSDPParamGroup.__init__ argument 'params'", fixed["warnings"][0])
-        self.assertEqual(fixed["active"], {"dtype": False, "recompute": True})
+        self.assertEqual(fixed["active"], {"dtype": False, "recompute": True, "reduce": reduce_active()})
         for outcome in (plain, fixed):  # torch's own assertion, as without the plugin
             self.assertRegex(outcome["error"], r"^AssertionError: FSDP expects uniform original parameter dtype")
 

@@ -1,4 +1,5 @@
-"""torch_fsdp_ext: repairs two FSDP2 (``fully_shard``) mixed-precision failures.
+"""torch_fsdp_ext: repairs FSDP2 (``fully_shard``) mixed-precision failures: mixed parameter dtypes in one group,
+activation-checkpoint recompute, and gradient reduction in ``reduce_dtype``.
 
 ``import torch_fsdp_ext`` installs every fix this torch release needs; set
 ``TORCH_FSDP_EXT_DISABLE=1`` to import without installing, and

@@ -12,6 +12,7 @@ treat unknown conservatively.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -61,6 +62,8 @@ FIX_SYMBOLS: dict[str, frozenset[str]] = {
         "FSDPState", "TrainingState", "cast_fp_tensor", "MixedPrecisionPolicy", "apply_to_tensors", "to_kwargs",
         "checkpoint_hook", "recomputation_hook", "CheckpointFrame", "module_state_mapping",
     }),
+    # The reduce fix wraps foreach_reduce only; without FSDPParamGroup its frozen-first-forward probe answers None.
+    "reduce": frozenset({"fsdp_param_group_module", "MixedPrecisionPolicy"}),
 }
 
 # Methods that the fixes wrap, by the name used above.
@@ -1155,3 +1158,127 @@ def switchable_method_cell(method: Callable) -> types.CellType | None:
     finally:
         cell.cell_contents = original
     return cell if calls else None
+
+
+# ===========================================================================
+# The reduce fix (``_reduce``): what its parts wrap and the probes that decide them
+# ===========================================================================
+
+# Note: every part of the reduce fix wraps ``foreach_reduce`` as ``FSDPParamGroup.post_backward``
+# calls it (a global of ``_fsdp_param_group``), positionally: ``(fsdp_params, unsharded_grads,
+# reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm, [orig_dtype,] reduce_dtype, ...)``.
+# The wrappers read the dtype arguments at the positions torch's own signature gives them.
+
+
+class _ProbeStop(Exception):
+    """Raised by the probe's stand-in communicator once the reduce-scatter input is filled."""
+
+
+class _ProbeReduceScatter:
+    """Stand-in ``reduce_scatter_comm``: hands out the reduce-scatter input, then stops the call."""
+
+    def __init__(self) -> None:
+        self.input: torch.Tensor | None = None
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.input is not None:  # the reduce output: the copy-in is done
+            raise _ProbeStop
+        self.input = torch.full(size, float("nan"), dtype=dtype, device=device)
+        return self.input
+
+
+def torch_foreach_reduce() -> Any:
+    """Torch's own ``foreach_reduce`` behind whatever FSDP's param group calls (Note [Foreign patches])."""
+    return torch_own(load_internals().fsdp_param_group_module.foreach_reduce, "foreach_reduce")
+
+
+def foreach_reduce_argument_positions() -> dict[str, int] | None:
+    """Position of ``unsharded_grads``, ``orig_dtype`` (absent from 2.15) and ``reduce_dtype`` in torch's
+    ``foreach_reduce``; None where torch's own cannot be found or has no ``unsharded_grads``/``reduce_dtype``."""
+    foreach_reduce = torch_foreach_reduce()
+    if foreach_reduce is None:
+        return None
+    names = list(inspect.signature(foreach_reduce).parameters)
+    if "unsharded_grads" not in names or "reduce_dtype" not in names:
+        return None
+    return {name: names.index(name) for name in ("unsharded_grads", "orig_dtype", "reduce_dtype") if name in names}
+
+
+def _copy_in_of(grads: list[torch.Tensor]) -> torch.Tensor | None | bool:
+    """Run torch's ``foreach_reduce`` on one CPU rank (no process group) with ``grads`` and
+    ``reduce_dtype=float32`` up to its copy-in: the reduce-scatter input it filled, False when it
+    raised before filling one, None when it could not be run."""
+    foreach_reduce = torch_foreach_reduce()
+    if foreach_reduce is None:
+        return None
+    comm = _ProbeReduceScatter()
+    stream = torch.cpu.current_stream()
+    known = {
+        "fsdp_params": [types.SimpleNamespace(fsdp_placement=types.SimpleNamespace(dim=0)) for _ in grads],
+        "unsharded_grads": list(grads), "reduce_scatter_group": None, "reduce_scatter_stream": stream,
+        "reduce_scatter_comm": comm, "orig_dtype": torch.float32, "reduce_dtype": torch.float32,
+        "device": torch.device("cpu"), "gradient_divide_factor": None, "all_reduce_group": None,
+        "all_reduce_stream": stream, "all_reduce_grads": True, "partial_reduce_output": None, "all_reduce_hook": None,
+    }
+    parameters = inspect.signature(foreach_reduce).parameters
+    required = [n for n, p in parameters.items() if p.default is inspect.Parameter.empty and p.kind != p.VAR_KEYWORD]
+    if any(name not in known for name in required):
+        return None
+    # Note: torch's assertion prints the rank to stdout first (``_raise_assert_with_print``).
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        try:
+            foreach_reduce(**{name: value for name, value in known.items() if name in parameters})
+        except _ProbeStop:
+            return comm.input
+        except Exception:  # noqa: BLE001 - torch refused (its assertion) or the stand-ins do not fit
+            return False if comm.input is None else None
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def probe_reduce_rejects_mixed_grad_dtypes() -> bool | None:
+    """Does torch's ``foreach_reduce`` refuse a group whose gradients come in bf16 and fp32 (pytorch#196996)?
+
+    Note: the stand-in call fills the fp32 reduce-scatter input of one CPU rank and stops.
+    Uniform fp32 gradients must reach that copy-in (else None: the stand-ins do not fit this
+    torch); bf16 + fp32 gradients that do not reach it mean the failure (True); reaching it
+    with both values exactly in place means this torch brings them to the reduce dtype (False).
+    """
+    values = torch.tensor([1.0, 2.0**-10, 1.0 + 2.0**-20])
+    uniform = _copy_in_of([values[:2].clone(), values[2:].clone()])
+    if not isinstance(uniform, torch.Tensor) or not torch.equal(uniform, values):
+        return None
+    mixed = _copy_in_of([values[:2].to(torch.bfloat16), values[2:].clone()])
+    if mixed is False:
+        return True
+    if isinstance(mixed, torch.Tensor) and torch.equal(mixed, values):
+        return False
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def probe_frozen_first_forward_drops_reduce_dtype() -> bool | None:
+    """Does a group whose parameters were all frozen at its lazy init lose the reduce dtype (pytorch#186998)?
+
+    Note: torch's own ``_init_mp_dtypes`` runs on a stand-in group of two frozen fp32
+    parameters with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; the
+    group's ``_reduce_dtype`` is None where the failure is (up to 2.13), fp32 where it was
+    fixed (pytorch#187376, 2.14).
+    """
+    internals = load_internals()
+    group_cls = internals.symbols.get("FSDPParamGroup")
+    init_mp_dtypes = torch_own(vars(group_cls).get("_init_mp_dtypes") if group_cls else None, "_init_mp_dtypes")
+    if init_mp_dtypes is None:
+        return None
+    policy = internals.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    params = [_ProbeParam(torch.float32, False) for _ in range(2)]
+    for param in params:
+        param.mp_policy = policy  # 2.15 reads each parameter's policy
+    group = types.SimpleNamespace(fsdp_params=params, mp_policy=policy, _orig_dtype=None, _reduce_dtype=None)
+    try:
+        init_mp_dtypes(group)
+    except Exception:  # noqa: BLE001 - internals we do not understand
+        return None
+    if group._reduce_dtype is None:
+        return True
+    return False if group._reduce_dtype == torch.float32 else None

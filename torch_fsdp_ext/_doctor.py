@@ -1,12 +1,14 @@
 """``python -m torch_fsdp_ext doctor``: what this torch needs, what is active, and a live self-test.
 
-The self-test runs the two seed scenarios (``shared/seeds``) on real ranks, once
+The self-test runs a seed scenario per fix (``shared/seeds``) on real ranks, once
 without and once with the plugin, and checks the patched result, not just the
 absence of an exception.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import traceback
 from dataclasses import dataclass
@@ -102,13 +104,49 @@ def _recompute_scenario(device: torch.device, strategy: str) -> None:
         raise ValueError("wrong result: gradients differ from the run without checkpointing")
 
 
+class _BranchModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def _reduce_scenario(device: torch.device, strategy: str) -> None:
+    """pytorch#196996: accumulation without sync, ``b`` used first on the synchronizing micro-batch; the reduced
+    gradients must be what a bf16 copy's gradients give, cast to fp32, accumulated and averaged over the ranks."""
+    import copy
+
+    fully_shard, MixedPrecisionPolicy = _compat.fsdp2_api().fully_shard, _compat.fsdp2_api().MixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    model = _BranchModule().to(device)
+    compute = copy.deepcopy(model).to(torch.bfloat16)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    expected: dict[str, torch.Tensor] = {}
+    for index, use_b in enumerate((False, True)):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * index + dist.get_rank())).to(device)
+        compute.zero_grad(set_to_none=True)
+        compute(x.to(torch.bfloat16), use_b).float().pow(2).mean().backward()
+        for name, param in compute.named_parameters():
+            if param.grad is not None:
+                expected[name] = expected.get(name, 0) + param.grad.float()
+        model.set_requires_gradient_sync(index == 1)
+        model(x, use_b).float().pow(2).mean().backward()
+    for name, param in model.named_parameters():
+        dist.all_reduce(expected[name])
+        if not torch.equal(param.grad.full_tensor(), expected[name] / dist.get_world_size()):
+            raise ValueError(f"wrong result: the reduced gradient of {name} differs from the fp32 reference")
+
+
 def _baseline_scenario(device: torch.device) -> None:
     """Plain FSDP2 with nothing to fix: if this fails, FSDP2 itself cannot run here."""
     model = _compat.fsdp2_api().fully_shard(nn.Linear(4, 4).to(device))
     model(torch.randn(2, 4, device=device)).sum().backward()
 
 
-SCENARIOS = {"dtype": _mixed_dtype_scenario, "recompute": _recompute_scenario}
+SCENARIOS = {"dtype": _mixed_dtype_scenario, "recompute": _recompute_scenario, "reduce": _reduce_scenario}
 
 
 def _outcome(fn, device: torch.device, strategy: str) -> str:
@@ -138,7 +176,10 @@ def _rank_main(rank: int, init_file: str, result_file: str, backend: Backend, st
             if "baseline" in results:
                 break
             uninstall()
-            without = _outcome(fn, device, strategy)
+            # Note: torch's own assertion prints a stack to stderr (``_raise_assert_with_print``); the table says it.
+            with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), \
+                    contextlib.redirect_stderr(devnull):
+                without = _outcome(fn, device, strategy)
             install(dtype_strategy=strategy)
             results[name] = {"without": without, "with": _outcome(fn, device, strategy)}
     except Exception:  # noqa: BLE001

@@ -15,8 +15,9 @@ from ._dtype import DtypeFix, _compute_dtype
 from ._dtype._strategies import STRATEGIES, UPCAST_COST
 from ._patching import PatchSet
 from ._recompute import RecomputeReplay
+from ._reduce import ReduceFix
 
-FIX_NAMES = ("dtype", "recompute")
+FIX_NAMES = ("dtype", "recompute", "reduce")
 
 # Note: ``importlib.reload`` re-runs this module in the same namespace. What is
 # installed is kept across a reload, so that ``install()`` after it finds the
@@ -59,6 +60,8 @@ def _make_fix(name: str, internals: _compat.TorchInternals, dtype_strategy: str)
         fix = DtypeFix(internals, dtype_strategy)
         fix.ranks.installed_fixes = _installed_names  # the ranks compare them with their dtype layouts
         return fix
+    if name == "reduce":
+        return ReduceFix(internals)
     return RecomputeReplay(internals)
 
 
@@ -287,6 +290,8 @@ def status() -> Status:
         if name == "dtype":
             details["strategy"] = fix.strategy.name
             details["upcast"] = {"params": UPCAST_COST.params, "bytes": UPCAST_COST.bytes}
+        elif name == "reduce":
+            details["parts"] = fix.parts_status()
         else:
             details["replays"] = fix.replays()
             details["rebound_hooks"] = patches.rebound_hooks if patches is not None else 0

@@ -5,12 +5,20 @@ from __future__ import annotations
 import functools
 import types
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import _compat
 
 _ABSENT = object()  # the attribute was inherited, not set on the owner itself
+
+# Note [Buried patches]. Two fixes may wrap one attribute (``foreach_reduce``: the reduce fix at
+# install, the dtype fix while a mixed group lives), and the one underneath may be restored
+# first. Its wrapper cannot be taken out of the other's closure, so it stays there, passing
+# straight through (its fix is no longer active), and what it replaced is noted here: the
+# patch above it, when restored, puts that back instead of the buried wrapper.
+_buried: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # buried replacement -> what it replaced
 
 
 @dataclass
@@ -100,7 +108,9 @@ class PatchSet:
             # own function). Putting the original back would drop that patch without a word; it stays,
             # and whoever restores it owns the attribute from then on.
             current = patch.owner.__dict__.get(patch.name, _ABSENT)
-            if current is not patch.replacement:
+            if current is not patch.replacement and wraps_over(current, patch.replacement):
+                _buried[patch.replacement] = patch.original
+            elif current is not patch.replacement:
                 warnings.warn(
                     f"torch_fsdp_ext: left {_attribute_name(patch.owner, patch.name)} as it is "
                     f"({_describe(current)}): something replaced the plugin's patch after it was applied, so "
@@ -110,9 +120,27 @@ class PatchSet:
             elif patch.original is _ABSENT:
                 delattr(patch.owner, patch.name)
             else:
-                setattr(patch.owner, patch.name, patch.original)
+                setattr(patch.owner, patch.name, _unburied(patch.original))
         self._attributes.clear()
 
+
+
+def wraps_over(fn: Any, target: Any) -> bool:
+    """Is ``fn`` a chain of this plugin's wrappers (``__wrapped__``) over ``target``?"""
+    for _ in range(16):
+        if fn is target:
+            return True
+        if _compat.function_origin(fn) != "torch_fsdp_ext":
+            return False
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def _unburied(original: Any) -> Any:
+    """What ``original`` replaced, where it is a buried wrapper (Note [Buried patches])."""
+    while original is not _ABSENT and original in _buried:
+        original = _buried.pop(original)
+    return original
 
 
 def _attribute_name(owner: Any, name: str) -> str:

@@ -16,7 +16,7 @@ def needed_word(fix: Any) -> str:
         return "unsupported"
     if not fix.needed:
         return "no"
-    if "upstream" in fix.details.get("replays", {}).values():
+    if "upstream" in fix.details.get("replays", fix.details.get("parts", {})).values():
         return "partly"
     return "yes"
 
@@ -27,6 +27,11 @@ def plugin_does(fix: Any) -> str:
         return fix.reason
     if "strategy" in fix.details:
         return f"strategy {fix.details['strategy']}"
+    parts = fix.details.get("parts")
+    if parts:
+        ours = [what for what, who in parts.items() if who == "torch_fsdp_ext"]
+        torch_own = [what for what, who in parts.items() if who == "upstream"]
+        return f"fixes {', '.join(ours)}" + (f" (torch: {', '.join(torch_own)})" if torch_own else "")
     replays = fix.details.get("replays")
     if not replays:
         return ""
@@ -50,6 +55,14 @@ def why_sentences(fix: Any) -> list[str]:
         return [f"{fix.name}: not installed: {fix.reason}."]
     if not fix.needed:
         return [f"{fix.name}: not needed: {fix.reason}."]
+    parts = fix.details.get("parts")
+    if parts:
+        ours = [what for what, who in parts.items() if who == "torch_fsdp_ext"]
+        torch_own = [what for what, who in parts.items() if who == "upstream"]
+        does = f"{fix.name}: the plugin fixes {listed(ours)}."
+        if not torch_own:
+            return [f"{fix.name}: needed, because {fix.reason}.", does]
+        return [f"{fix.name}: needed in part: this torch fixes {listed(torch_own)} itself.", does]
     replays = fix.details.get("replays")
     if not replays:
         return [f"{fix.name}: needed, because {fix.reason}."]

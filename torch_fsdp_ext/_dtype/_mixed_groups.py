@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _compat
-from .._patching import wraps
+from .._patching import wraps, wraps_over
 
 # Set on each FSDPParam of a mixed group (releases without per-parameter gradient dtypes):
 # (the parameter's own dtype, the group's reduce dtype or None, the dtype its reduced
@@ -143,7 +143,7 @@ def wrap_reduce_for_mixed_groups(patches: Any) -> None:
         @wraps(original)
         def to_sharded_dtensor(fsdp_param: Any, tensor: torch.Tensor) -> Any:
             mixed = fsdp_param.__dict__.get(_MIXED_GROUP_ATTR)
-            if mixed is not None and module.foreach_reduce is not ours:
+            if mixed is not None and module.foreach_reduce is not ours and not wraps_over(module.foreach_reduce, ours):
                 raise RuntimeError(_foreign_reduce_message(
                     where, module.foreach_reduce, "put in place after the plugin's wrapper, which it dropped"
                 ))

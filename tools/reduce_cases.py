@@ -1,0 +1,133 @@
+"""The reduce fix's cases, each run without and with the plugin on 2 gloo ranks.
+
+    python tools/reduce_cases.py
+
+One fp32 model (``a`` used on every micro-batch, ``b`` where the case says) in one ``fully_shard`` group with
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, one line per case: the outcome without the plugin
+and with it. "equal" means the reduced gradients and the SGD-updated parameters equal, bit for bit, a hand
+reference: each rank's gradients computed in bf16 by a plain copy of the model, cast to fp32, accumulated over the
+micro-batches and averaged over the ranks (what torch 2.15 computes).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+os.environ.setdefault("TORCH_FSDP_EXT_DISABLE", "1")
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import torch_fsdp_ext
+from torch_fsdp_ext._compat import fsdp2_api
+
+API = fsdp2_api()
+fully_shard, MixedPrecisionPolicy, FSDPModule = API.fully_shard, API.MixedPrecisionPolicy, API.FSDPModule
+MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+LR = 0.1
+WORLD_SIZE = 2
+# case -> (uses b on each micro-batch, the last one synchronizing; the upstream thread)
+CASES = {
+    "accumulation, b first on the sync micro-batch": ((False, True), "#196996, #160279"),
+    "set_reduce_scatter_unused_params(True) + accumulation": ((False, False), "#196996"),
+    "first forward frozen, then unfrozen": ((True,), "#186998"),
+}
+
+
+class Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def micro_batch(rank: int, index: int) -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * index + rank))
+
+
+def reference(model: nn.Module, uses_b: tuple[bool, ...], rank: int) -> tuple[dict, dict]:
+    compute, updated = copy.deepcopy(model).to(torch.bfloat16), copy.deepcopy(model)
+    accumulated: dict[str, torch.Tensor] = {}
+    for index, use_b in enumerate(uses_b):
+        compute.zero_grad(set_to_none=True)
+        compute(micro_batch(rank, index).to(torch.bfloat16), use_b).float().pow(2).mean().backward()
+        for name, param in compute.named_parameters():
+            if param.grad is not None:
+                accumulated[name] = accumulated.get(name, 0) + param.grad.float()
+    grads = {}
+    for name, param in updated.named_parameters():
+        total = accumulated.get(name, torch.zeros_like(param)).clone()
+        dist.all_reduce(total)
+        grads[name] = param.grad = total / WORLD_SIZE
+    torch.optim.SGD(updated.parameters(), lr=LR).step()
+    return grads, {name: p.detach() for name, p in updated.named_parameters()}
+
+
+def run_case(case: str, rank: int) -> str:
+    uses_b = CASES[case][0]
+    if "unused" in case and not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        return "no such API"
+    torch.manual_seed(0)
+    model = Branches()
+    expected_grads, expected_params = reference(model, uses_b, rank)
+    fully_shard(model, mp_policy=MP)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    try:
+        if "unused" in case:
+            model.set_reduce_scatter_unused_params(True)
+        if "frozen" in case:
+            model.requires_grad_(False)
+            with torch.no_grad():
+                model(micro_batch(rank, 99), True)
+            model.requires_grad_(True)
+        for index, use_b in enumerate(uses_b):
+            model.set_requires_gradient_sync(index == len(uses_b) - 1)
+            model(micro_batch(rank, index), use_b).float().pow(2).mean().backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        optimizer.step()
+    except Exception as e:  # noqa: BLE001 - the outcome is the table
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+    params = {name: p.full_tensor() for name, p in model.named_parameters()}
+    equal = all(torch.equal(grads[n], expected_grads[n]) and torch.equal(params[n], expected_params[n])
+                for n in expected_grads)
+    return "equal" if equal else "differs"
+
+
+def rank_main(rank: int, init_file: str, out: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    import contextlib
+    import io
+
+    rows = {}
+    for case in CASES:
+        torch_fsdp_ext.uninstall()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            without = run_case(case, rank)  # torch's assertion prints a stack
+        torch_fsdp_ext.install()
+        rows[case] = (without, run_case(case, rank))
+    if rank == 0:
+        out.update(rows)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(rank_main, args=(os.path.join(tmp, "init"), out), nprocs=WORLD_SIZE)
+        rows = dict(out)
+    print(f"torch {torch.__version__}, gloo on CPU, world size {WORLD_SIZE}")
+    print("| case (upstream) | without the plugin | with the plugin |")
+    print("|---|---|---|")
+    for case, (_, thread) in CASES.items():
+        without, with_plugin = rows[case]
+        print(f"| {case} ({thread}) | {without} | {with_plugin} |")
+
+
+if __name__ == "__main__":
+    main()

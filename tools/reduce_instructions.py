@@ -1,0 +1,69 @@
+"""Instructions the reduce fix adds per group reduce, counted by callgrind.
+
+    python tools/reduce_instructions.py
+
+Counts 100 calls of ``foreach_reduce`` as ``FSDPParamGroup.post_backward`` calls it (positionally, the group's
+orig and reduce dtypes fp32) with a group of N fp32 gradients (one dtype: the path of every step without
+accumulation), once through the fix's wrappers and once without, over a stand-in for torch's function that returns at
+once, so that the difference is the wrappers' own work. Each count is ``torch.utils.benchmark.Timer(...)
+.collect_callgrind()`` in a fresh ``python`` (``PYTHONHASHSEED=0``); the wrappers installed are those this torch needs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch.utils.benchmark import Timer
+
+SETUP = """
+import torch
+from torch_fsdp_ext import _compat
+from torch_fsdp_ext._reduce import ReduceFix
+positions = _compat.foreach_reduce_argument_positions()
+def torch_reduce(*args, **kwargs):
+    return None
+fix = ReduceFix(_compat.load_internals())
+reduce = torch_reduce
+if {patched}:
+    from torch_fsdp_ext._reduce import _frozen_first_forward, _grad_dtypes
+    for part in fix.parts:
+        part.active = True
+    if fix.parts[0].needed()[0]:
+        reduce = _grad_dtypes.wrap_foreach_reduce(
+            fix.parts[0], positions["unsharded_grads"], positions["reduce_dtype"], reduce)
+    if fix.parts[1].needed()[0]:
+        reduce = _frozen_first_forward.wrap_foreach_reduce(
+            fix.parts[1], positions["orig_dtype"], positions["reduce_dtype"], reduce)
+grads = [torch.zeros(4) for _ in range({n})]
+args = [None] * (max(positions.values()) + 1)
+args[positions["unsharded_grads"]] = grads
+for name in ("orig_dtype", "reduce_dtype"):
+    if name in positions:
+        args[positions[name]] = torch.float32
+args = tuple(args)
+"""
+STATEMENT = "for _ in range(100): reduce(*args)"
+
+
+def count(patched: bool, n: int) -> int:
+    timer = Timer(STATEMENT, setup=SETUP.format(patched=patched, n=n))
+    return timer.collect_callgrind(number=1, collect_baseline=False).counts(denoise=True)
+
+
+def main() -> None:
+    os.environ["PYTHONHASHSEED"] = "0"
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
+    os.environ["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + \
+        os.environ.get("PYTHONPATH", "")
+    print(f"torch {torch.__version__}")
+    print("| gradients in the group | unpatched, per call | patched, per call | added per group reduce |")
+    print("|---|---|---|---|")
+    for n in (16, 256):
+        plain, patched = count(False, n), count(True, n)
+        print(f"| {n} | {plain / 100:,.0f} | {patched / 100:,.0f} | {(patched - plain) / 100:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()

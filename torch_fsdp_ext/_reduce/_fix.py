@@ -1,0 +1,73 @@
+"""The reduce fix's interface: which of its parts this release needs, and installing them.
+
+Note [Reduce parts]. ``ReduceFix`` holds a tuple of parts, each one failure of FSDP2's
+gradient reduction that a torch release has or has not. A part is an object with
+
+- ``name: str``: what it repairs, in a few words (``status()`` lists the parts by it);
+- ``summary: str``: one line on what it does;
+- ``needed() -> tuple[bool | None, str]``: whether this torch has the failure, by a behaviour
+  probe in ``_compat`` (None: the probe could not tell, and the part stands aside), and why;
+- ``install(patches: PatchSet) -> None``: wraps what it needs through ``patches`` and sets
+  ``active`` (raising rolls back the whole fix);
+- ``active: bool``: cleared by ``uninstall()`` before the patches are restored, so that a
+  wrapper still called (held by another library's wrapper put over it) passes straight through;
+- ``wrapped_symbols() -> list[str]``: the torch functions it wraps, for ``status()``.
+
+The fix is needed where any part is, and installs the parts that are. Parts that wrap one
+function are installed in tuple order, so a later part's wrapper runs first.
+"""
+
+from __future__ import annotations
+
+from .. import _compat
+from .._patching import PatchSet
+from ._frozen_first_forward import FrozenFirstForward
+from ._grad_dtypes import MixedGradDtypes
+
+
+class ReduceFix:
+    """The ``reduce`` fix."""
+
+    name = "reduce"
+    summary = "FSDP2's gradient reduction in mixed precision reduces in reduce_dtype, as torch 2.15 does"
+
+    def __init__(self, internals: _compat.TorchInternals) -> None:
+        self.internals = internals
+        # Note: the frozen-first-forward part comes last, so that its wrapper resolves a
+        # group's reduce dtype before the mixed-dtype part reads it.
+        self.parts = (MixedGradDtypes(internals), FrozenFirstForward(internals))
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self._active = value
+        if not value:
+            for part in self.parts:
+                part.active = False
+
+    def needed(self) -> tuple[bool | None, str]:
+        answers = [(part, *part.needed()) for part in self.parts]
+        for wanted in (True, None):
+            reasons = [f"{part.name}: {reason}" for part, needed, reason in answers if needed is wanted]
+            if reasons:
+                return wanted, "; ".join(reasons)
+        return False, "this torch reduces each of these cases in the reduce dtype itself"
+
+    def parts_status(self) -> dict[str, str]:
+        """Per part, who repairs it on this torch: ``torch_fsdp_ext``, ``upstream`` or ``unknown``."""
+        who = {True: "torch_fsdp_ext", False: "upstream", None: "unknown"}
+        return {part.name: who[part.needed()[0]] for part in self.parts}
+
+    def wrapped_symbols(self) -> list[str]:
+        names = [name for part in self.parts if part.needed()[0] for name in part.wrapped_symbols()]
+        return list(dict.fromkeys(names))
+
+    def install(self, patches: PatchSet) -> None:
+        for part in self.parts:
+            if part.needed()[0]:
+                part.install(patches)
+        self._active = True

@@ -1,0 +1,81 @@
+"""The part for a group whose first forward ran with every parameter frozen, trained after unfreezing."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from .. import _compat
+from .._patching import PatchSet, wraps
+
+
+class FrozenFirstForward:
+    """Resolves the original and reduce dtypes of a group that had no trainable parameter at its lazy init.
+
+    Note: up to 2.13 ``_init_mp_dtypes`` reads both dtypes from the trainable parameters
+    only, and leaves None for a group without any; after unfreezing, ``foreach_reduce``
+    then reduces in the compute dtype and assigns a bf16 gradient to an fp32 parameter.
+    2.14 (pytorch#187376) falls back to the group's floating-point parameters when their
+    original and reduce dtypes are each uniform. ``post_backward`` passes the group's
+    dtypes to ``foreach_reduce`` and reads them nowhere else, so this part resolves them
+    there, from the parameters being reduced: only where the original dtype came as None,
+    a check of one argument for every other group.
+    """
+
+    name = "frozen first forward"
+    summary = "a group whose first forward ran frozen reduces in its reduce dtype once unfrozen"
+
+    def __init__(self, internals: _compat.TorchInternals) -> None:
+        self.internals = internals
+        self.active = False
+
+    def needed(self) -> tuple[bool | None, str]:
+        drops = _compat.probe_frozen_first_forward_drops_reduce_dtype()
+        positions = _compat.foreach_reduce_argument_positions()
+        if drops is None or (drops and (positions is None or "orig_dtype" not in positions)):
+            return None, "cannot tell how this torch resolves a frozen group's reduce dtype (its probe did not run)"
+        if drops:
+            return True, "a group frozen at its first forward gets no reduce dtype (pytorch#186998)"
+        return False, "_init_mp_dtypes resolves a frozen group's reduce dtype from its parameters (pytorch#187376)"
+
+    def wrapped_symbols(self) -> list[str]:
+        return _compat.symbol_names(self.internals, ("fsdp_param_group_module.foreach_reduce",))
+
+    def install(self, patches: PatchSet) -> None:
+        positions = _compat.foreach_reduce_argument_positions()
+        if positions is None or "orig_dtype" not in positions:
+            raise RuntimeError("torch's foreach_reduce has no orig_dtype/reduce_dtype arguments")
+        wrap = functools.partial(wrap_foreach_reduce, self, positions["orig_dtype"], positions["reduce_dtype"])
+        patches.wrap(self.internals.fsdp_param_group_module, "foreach_reduce", wrap)
+        self.active = True
+
+
+def group_dtypes(fsdp_params: list[Any]) -> tuple[torch.dtype, torch.dtype | None] | None:
+    """(original dtype, reduce dtype) of the floating-point parameters when each is uniform, else None."""
+    floating = [p for p in fsdp_params if p.orig_dtype.is_floating_point]
+    orig_dtypes = {p.orig_dtype for p in floating}
+    reduce_dtypes = {p.reduce_dtype for p in floating}
+    if len(orig_dtypes) != 1 or len(reduce_dtypes) != 1:
+        return None
+    return next(iter(orig_dtypes)), next(iter(reduce_dtypes))
+
+
+def wrap_foreach_reduce(part: FrozenFirstForward, orig_at: int, reduce_at: int, original: Callable) -> Callable:
+    @wraps(original)
+    def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
+        positional = len(args) > orig_at
+        orig_dtype = args[orig_at] if len(args) > orig_at else kwargs.get("orig_dtype")
+        if orig_dtype is None and part.active:
+            resolved = group_dtypes(args[0] if args else kwargs["fsdp_params"])
+            if resolved is not None:
+                args = list(args)
+                for at, name, dtype in ((orig_at, "orig_dtype", resolved[0]), (reduce_at, "reduce_dtype", resolved[1])):
+                    if len(args) > at:
+                        args[at] = dtype
+                    else:
+                        kwargs[name] = dtype
+        return original(*args, **kwargs)
+
+    return foreach_reduce

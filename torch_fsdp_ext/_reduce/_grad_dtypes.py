@@ -1,0 +1,66 @@
+"""The part for gradients of two dtypes in one reduce: accumulated ones in the reduce dtype, fresh ones
+(or unused parameters' zero placeholders) in the compute dtype."""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any, Callable
+
+from .. import _compat
+from .._patching import PatchSet, wraps
+
+
+class MixedGradDtypes:
+    """Brings every gradient of a group to its reduce dtype before ``foreach_reduce`` copies them in.
+
+    Note: torch 2.15 casts each gradient into the reduce-dtype buffer during the copy-in
+    (``chunk_cat_mixed_dtype``); widening the compute dtype (bf16, fp16) to the reduce
+    dtype (fp32) is exact, so casting first and copying a uniform list reduces bit for bit
+    as 2.15 does. A group whose gradients already share one dtype (every step without
+    accumulation, every uniform accumulation) costs one set of dtypes and nothing else.
+    """
+
+    name = "mixed gradient dtypes"
+    summary = "accumulated fp32 and fresh bf16 gradients (or unused-parameter zeros) in one reduce"
+
+    def __init__(self, internals: _compat.TorchInternals) -> None:
+        self.internals = internals
+        self.active = False
+
+    def needed(self) -> tuple[bool | None, str]:
+        rejects = _compat.probe_reduce_rejects_mixed_grad_dtypes()
+        if rejects is None:
+            return None, "cannot tell whether foreach_reduce accepts gradients of two dtypes (its probe did not run)"
+        if rejects:
+            return True, "foreach_reduce asserts one gradient dtype (pytorch#196996)"
+        return False, "foreach_reduce brings gradients of several dtypes to the reduce dtype itself"
+
+    def wrapped_symbols(self) -> list[str]:
+        return _compat.symbol_names(self.internals, ("fsdp_param_group_module.foreach_reduce",))
+
+    def install(self, patches: PatchSet) -> None:
+        positions = _compat.foreach_reduce_argument_positions()
+        if positions is None:
+            raise RuntimeError("torch's foreach_reduce has no unsharded_grads/reduce_dtype arguments")
+        wrap = functools.partial(wrap_foreach_reduce, self, positions["unsharded_grads"], positions["reduce_dtype"])
+        patches.wrap(self.internals.fsdp_param_group_module, "foreach_reduce", wrap)
+        self.active = True
+
+
+_dtype_of = operator.attrgetter("dtype")
+
+
+def wrap_foreach_reduce(part: MixedGradDtypes, grads_at: int, reduce_at: int, original: Callable) -> Callable:
+    @wraps(original)
+    def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
+        grads = args[grads_at] if len(args) > grads_at else kwargs["unsharded_grads"]
+        # Note: map/set iterate in C: no Python bytecode per gradient on the path that finds one dtype.
+        if len(set(map(_dtype_of, grads))) > 1 and part.active:
+            reduce_dtype = args[reduce_at] if len(args) > reduce_at else kwargs.get("reduce_dtype")
+            # Note: without a reduce dtype torch's own check (or the dtype fix's mixed groups) decides.
+            if reduce_dtype is not None:
+                grads[:] = [grad.to(reduce_dtype) for grad in grads]  # the list owns the gradients
+        return original(*args, **kwargs)
+
+    return foreach_reduce
