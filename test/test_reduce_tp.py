@@ -1,0 +1,241 @@
+"""FSDP2 + tensor parallel: a TP-replicated parameter's gradient is all-reduced over the TP mesh in ``reduce_dtype``.
+
+2 gloo ranks, a (dp=1, tp=2) mesh: ``parallelize_module`` (``SequenceParallel`` on an RMSNorm and a router,
+``ColwiseParallel``/``RowwiseParallel`` on an MLP), then ``fully_shard`` over the dp mesh with
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (pytorch#190626). Up to 2.14 torch all-reduces
+the norm's and the router's ``Partial`` gradients in bf16; 2.15 does it in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import unittest
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+from torch_fsdp_ext import _compat
+from torch_fsdp_ext._patching import PatchSet
+from torch_fsdp_ext._reduce._tp import TPAllReduceInReduceDtype
+
+from common import FSDPExtTestCase, MixedPrecisionPolicy, RMSNorm, fully_shard, plugin
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+DIM = 8
+STEPS = 3
+# The witness: rank 0 contributes 1.0 to each norm-weight gradient element, rank 1 2**-10. Summed in fp32:
+# 1.0009765625; in bf16 (8 mantissa bits) the sum rounds back to 1.0.
+CONTRIBUTIONS = (1.0, 2.0**-10)
+SUM_FP32 = (torch.tensor(CONTRIBUTIONS[0]) + torch.tensor(CONTRIBUTIONS[1])).item()
+SUM_BF16 = torch.tensor(CONTRIBUTIONS, dtype=torch.bfloat16).sum().item()
+
+TORCH_REDUCES_TP_IN_BF16 = _compat.probe_tp_grad_reduce_dtype()[0] == torch.bfloat16
+needs_tp_bug = unittest.skipUnless(TORCH_REDUCES_TP_IN_BF16, "this torch all-reduces TP gradients in reduce_dtype")
+
+
+@contextlib.contextmanager
+def tp_reduce_fix() -> Iterator[None]:
+    """The plugin with the TP all-reduce part installed where this torch needs it.
+
+    Note: until the part is wired into the ``reduce`` fix, it is installed here directly;
+    then this becomes ``plugin(True, fixes=["reduce"])``.
+    """
+    part, patches = TPAllReduceInReduceDtype(), PatchSet()
+    with plugin(True):
+        if part.needed()[0]:
+            part.install(patches)
+        try:
+            yield
+        finally:
+            patches.restore()
+
+
+class TPBlock(nn.Module):
+    """Sequence-parallel norm and router (TP-replicated parameters) around a tensor-parallel MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RMSNorm(DIM)
+        self.up = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.down = nn.Linear(2 * DIM, DIM, bias=False)
+        self.router = nn.Linear(DIM, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.down(nn.functional.silu(self.up(self.norm(x))))
+        return self.router(x)
+
+
+def tp_mesh_and_model() -> tuple[object, TPBlock]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = TPBlock()
+    parallelize_module(model, mesh["tp"], {
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+        "router": SequenceParallel(),
+    })
+    fully_shard(model, mesh=mesh["dp"], mp_policy=BF16)
+    return mesh, model
+
+
+def local_batch(tp_rank: int, step: int) -> torch.Tensor:
+    """This rank's half of the sequence (SequenceParallel takes a plain input as the local shard)."""
+    full = torch.randn(2, 8, DIM, generator=torch.Generator().manual_seed(step))
+    return full.chunk(2, dim=1)[tp_rank]
+
+
+def local_loss(model: TPBlock, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return out.to_local().float().pow(2).mean()
+
+
+class TPReduceTest(FSDPExtTestCase):
+    WORLD_SIZE = 2
+
+    def witness_grad(self) -> torch.Tensor:
+        """The norm-weight gradient after one backward whose TP contributions are ``CONTRIBUTIONS``."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        norm = RMSNorm(DIM)
+        parallelize_module(norm, mesh["tp"], SequenceParallel())
+        fully_shard(norm, mesh=mesh["dp"], mp_policy=BF16)
+        # A constant token normalizes to 1.0 in bf16; the output's gradient is this rank's contribution.
+        out = norm(torch.full((1, 1, DIM), 3.0)).to_local()
+        (out.float() * CONTRIBUTIONS[self.rank]).sum().backward()
+        grad = norm.weight.grad
+        self.assertEqual(grad.dtype, torch.float32)
+        return grad.full_tensor()
+
+    def train(self, steps: int, reference: bool) -> tuple[list[float], list[torch.Tensor]]:
+        """AdamW steps; the local losses and the updated parameters.
+
+        ``reference``: each step's backward runs without gradient sync and a second, zero-loss
+        backward syncs. FSDP then holds the gradient in ``reduce_dtype`` (an upcast copy) before
+        the TP all-reduce on every release: 2.15's order of operations, reached without the plugin.
+        """
+        mesh, model = tp_mesh_and_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tp_rank = mesh["tp"].get_local_rank()
+        losses = []
+        for step in range(steps):
+            x = local_batch(tp_rank, step)
+            if reference:
+                model.set_requires_gradient_sync(False)
+            loss = local_loss(model, x)
+            loss.backward()
+            if reference:
+                model.set_requires_gradient_sync(True)
+                (local_loss(model, x) * 0.0).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, [p.full_tensor() for p in model.parameters()]
+
+    # -- the mantissa witness --------------------------------------------------
+
+    def test_witness_with_fix(self) -> None:
+        with tp_reduce_fix():
+            grad = self.witness_grad()
+        self.assertEqual(grad, torch.full((DIM,), SUM_FP32), atol=0, rtol=0)
+
+    def test_witness_without_fix(self) -> None:
+        with plugin(False):
+            grad = self.witness_grad()
+        expected = SUM_BF16 if TORCH_REDUCES_TP_IN_BF16 else SUM_FP32
+        self.assertEqual(grad, torch.full((DIM,), expected), atol=0, rtol=0)
+
+    # -- training --------------------------------------------------------------
+
+    def test_training_matches_fp32_reduction(self) -> None:
+        with plugin(False):
+            ref_losses, ref_params = self.train(STEPS, reference=True)
+        with tp_reduce_fix():
+            losses, params = self.train(STEPS, reference=False)
+        self.assertEqual(losses, ref_losses, atol=0, rtol=0)
+        for param, ref in zip(params, ref_params):
+            self.assertEqual(param, ref, atol=0, rtol=0)
+
+    def test_training_without_fix(self) -> None:
+        """The failure reproduces where torch has it (the parameters drift from the reference), not on 2.15."""
+        with plugin(False):
+            ref_losses, ref_params = self.train(STEPS, reference=True)
+            losses, params = self.train(STEPS, reference=False)
+        same = all(torch.equal(p, r) for p, r in zip(params, ref_params))
+        self.assertEqual(same, not TORCH_REDUCES_TP_IN_BF16)
+
+    def test_accumulation_with_fix(self) -> None:
+        """With the fix installed, torch's accumulation path (already in reduce_dtype) is unchanged."""
+        with plugin(False):
+            expected = self.train(STEPS, reference=True)
+        with tp_reduce_fix():
+            actual = self.train(STEPS, reference=True)
+        self.assertEqual(actual, expected, atol=0, rtol=0)
+
+
+class TPReducePatchTest(TestCase):
+    """What the part patches, and its probe, in one process."""
+
+    def owners(self) -> list[tuple[object, str]]:
+        internals = _compat.load_internals()
+        return [
+            (internals.FSDPParam, _compat.TP_REDUCE_METHOD[1]),
+            (internals.fsdp_param_group_module, "foreach_reduce"),
+        ]
+
+    def test_install_restores_originals(self) -> None:
+        part = TPAllReduceInReduceDtype()
+        with plugin(False):
+            before = [owner.__dict__.get(name) for owner, name in self.owners()]
+            patches = PatchSet()
+            if part.needed()[0]:
+                part.install(patches)
+                during = [owner.__dict__.get(name) for owner, name in self.owners()]
+                self.assertTrue(all(d is not b for d, b in zip(during, before)), part.wrapped_symbols())
+            patches.restore()
+            after = [owner.__dict__.get(name) for owner, name in self.owners()]
+        self.assertTrue(all(a is b for a, b in zip(after, before)))
+
+    def test_needed_where_torch_reduces_in_bf16(self) -> None:
+        needed, why = TPAllReduceInReduceDtype().needed()
+        self.assertEqual(needed, TORCH_REDUCES_TP_IN_BF16, why)
+
+    @needs_tp_bug
+    def test_probe_sees_a_cast_before_the_redistribute(self) -> None:
+        """PR #190627's change (an upcast at the top of ``_get_grad_inner_tensor``), applied as a stand-in."""
+        owner, name = self.owners()[0]
+        original = getattr(owner, name)
+
+        def casting(fsdp_param, grad):
+            return original(fsdp_param, grad.to(fsdp_param.reduce_dtype))
+
+        self.assertEqual(self.needed_with(owner, name, casting), False)
+
+    @needs_tp_bug
+    def test_probe_stands_aside_where_internals_changed(self) -> None:
+        owner, name = self.owners()[0]
+        self.assertIsNone(self.needed_with(owner, name, lambda fsdp_param, grad: grad))
+
+    def needed_with(self, owner: object, name: str, replacement) -> bool | None:
+        patches = PatchSet()
+        patches.wrap(owner, name, lambda original: replacement)
+        _compat.probe_tp_grad_reduce_dtype.cache_clear()
+        try:
+            return TPAllReduceInReduceDtype().needed()[0]
+        finally:
+            patches.restore()
+            _compat.probe_tp_grad_reduce_dtype.cache_clear()
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -1,0 +1,1 @@
+"""The reduce fix: FSDP2's gradient reduction in reduce_dtype on the releases that fail it."""
