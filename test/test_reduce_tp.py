@@ -33,6 +33,10 @@ SUM_BF16 = torch.tensor(CONTRIBUTIONS, dtype=torch.bfloat16).sum().item()
 
 TORCH_REDUCES_TP_IN_BF16 = _compat.probe_tp_grad_reduce_dtype()[0] == torch.bfloat16
 needs_tp_bug = unittest.skipUnless(TORCH_REDUCES_TP_IN_BF16, "this torch all-reduces TP gradients in reduce_dtype")
+needs_unused_params_api = unittest.skipUnless(
+    hasattr(_compat.fsdp2_api().FSDPModule, "set_reduce_scatter_unused_params"),
+    "this torch has no FSDPModule.set_reduce_scatter_unused_params",
+)
 
 
 @contextlib.contextmanager
@@ -65,6 +69,20 @@ class TPBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.down(nn.functional.silu(self.up(self.norm(x))))
         return self.router(x)
+
+
+class TPExperts(nn.Module):
+    """A used and an unused TP-sharded expert, a used and an unused TP-replicated (sequence-parallel) layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RMSNorm(DIM)
+        self.used = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.unused = nn.Linear(DIM, 8 * DIM, bias=False)
+        self.unused_router = nn.Linear(DIM, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(self.norm(x))
 
 
 def tp_mesh_and_model() -> tuple[object, TPBlock]:
@@ -154,6 +172,55 @@ class TPReduceTest(FSDPExtTestCase):
             grad = self.witness_grad()
         expected = SUM_BF16 if TORCH_REDUCES_TP_IN_BF16 else SUM_FP32
         self.assertEqual(grad, torch.full((DIM,), expected), atol=0, rtol=0)
+
+    # -- unused parameters -----------------------------------------------------
+
+    def unused_placeholders(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What FSDP hands its reduce-scatter per parameter (shape, dtype) with unused parameters reduced."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "ep"))
+        model = TPExperts()
+        parallelize_module(model, mesh["ep"], {
+            "norm": SequenceParallel(), "used": ColwiseParallel(input_layouts=Shard(1)),
+            "unused": ColwiseParallel(), "unused_router": SequenceParallel(),
+        })
+        fully_shard(model, mesh=mesh["dp"], mp_policy=BF16)
+        model.set_reduce_scatter_unused_params(True)
+        seen: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+
+        def spy(original):
+            def foreach_reduce(fsdp_params, unsharded_grads, *args, **kwargs):
+                for param, grad in zip(fsdp_params, unsharded_grads):
+                    seen[_compat.fsdp_param_fqn(param)] = (tuple(grad.shape), grad.dtype)
+                return original(fsdp_params, unsharded_grads, *args, **kwargs)
+
+            return foreach_reduce
+
+        patches = PatchSet()
+        patches.wrap(_compat.load_internals().fsdp_param_group_module, "foreach_reduce", spy)
+        try:
+            model(torch.randn(1, 4, DIM)).float().sum().backward()
+        finally:
+            patches.restore()
+        return seen
+
+    @needs_unused_params_api
+    def test_unused_sharded_placeholder_has_local_shape(self) -> None:
+        """NeMo Automodel #3540 saw an unused expert's zero placeholder built with the global DTensor shape (36 GiB)
+        on a 2.13 pre-release. The placeholder FSDP reduces has the TP-local shape, as a used expert's gradient."""
+        local = {"norm.weight": (DIM,), "used.weight": (DIM, DIM), "unused.weight": (4 * DIM, DIM),
+                 "unused_router.weight": (2, DIM), "unused_router.bias": (2,)}
+        with plugin(False):
+            seen = self.unused_placeholders()
+        self.assertEqual({fqn: shape for fqn, (shape, _) in seen.items()}, local)
+        with tp_reduce_fix():
+            seen = self.unused_placeholders()
+        self.assertEqual({fqn: shape for fqn, (shape, _) in seen.items()}, local)
+        # The used norm's gradient comes out of its TP all-reduce in reduce_dtype, next to bf16 placeholders.
+        self.assertEqual(seen["norm.weight"][1], torch.float32)
 
     # -- training --------------------------------------------------------------
 
