@@ -33,6 +33,9 @@ SUM_BF16 = torch.tensor(CONTRIBUTIONS, dtype=torch.bfloat16).sum().item()
 
 TORCH_REDUCES_TP_IN_BF16 = _compat.probe_tp_grad_reduce_dtype()[0] == torch.bfloat16
 needs_tp_bug = unittest.skipUnless(TORCH_REDUCES_TP_IN_BF16, "this torch all-reduces TP gradients in reduce_dtype")
+needs_spmd_mesh = unittest.skipUnless(
+    hasattr(_compat.fsdp2_api(), "DataParallelMeshDims"), "this torch's fully_shard takes no dp_mesh_dims"
+)
 needs_unused_params_api = unittest.skipUnless(
     hasattr(_compat.fsdp2_api().FSDPModule, "set_reduce_scatter_unused_params"),
     "this torch has no FSDPModule.set_reduce_scatter_unused_params",
@@ -119,17 +122,29 @@ def local_loss(model: TPBlock, x: torch.Tensor) -> torch.Tensor:
 class TPReduceTest(FSDPExtTestCase):
     WORLD_SIZE = 2
 
-    def witness_grad(self) -> torch.Tensor:
-        """The norm-weight gradient after one backward whose TP contributions are ``CONTRIBUTIONS``."""
+    def witness_grad(self, spmd_mesh: bool = False) -> torch.Tensor:
+        """The norm-weight gradient after one backward whose TP contributions are ``CONTRIBUTIONS``.
+
+        ``spmd_mesh``: the weight is a DTensor on the whole (dp, tp) mesh and ``fully_shard`` is
+        told its dp dim (``DataParallelMeshDims``) instead of getting the dp sub-mesh.
+        """
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
         from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
         mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
         norm = RMSNorm(DIM)
-        parallelize_module(norm, mesh["tp"], SequenceParallel())
-        fully_shard(norm, mesh=mesh["dp"], mp_policy=BF16)
         # A constant token normalizes to 1.0 in bf16; the output's gradient is this rank's contribution.
-        out = norm(torch.full((1, 1, DIM), 3.0)).to_local()
+        x = torch.full((1, 1, DIM), 3.0)
+        if spmd_mesh:
+            norm.weight = nn.Parameter(distribute_tensor(norm.weight.detach(), mesh, (Replicate(), Replicate())))
+            x = DTensor.from_local(x, mesh, (Replicate(), Shard(1)))
+            dp_dims = _compat.fsdp2_api().DataParallelMeshDims(shard="dp")
+            fully_shard(norm, mesh=mesh, mp_policy=BF16, dp_mesh_dims=dp_dims)
+        else:
+            parallelize_module(norm, mesh["tp"], SequenceParallel())
+            fully_shard(norm, mesh=mesh["dp"], mp_policy=BF16)
+        out = norm(x).to_local()
         (out.float() * CONTRIBUTIONS[self.rank]).sum().backward()
         grad = norm.weight.grad
         self.assertEqual(grad.dtype, torch.float32)
@@ -166,6 +181,19 @@ class TPReduceTest(FSDPExtTestCase):
         with tp_reduce_fix():
             grad = self.witness_grad()
         self.assertEqual(grad, torch.full((DIM,), SUM_FP32), atol=0, rtol=0)
+
+    @needs_spmd_mesh
+    def test_witness_spmd_mesh_with_fix(self) -> None:
+        with tp_reduce_fix():
+            grad = self.witness_grad(spmd_mesh=True)
+        self.assertEqual(grad, torch.full((DIM,), SUM_FP32), atol=0, rtol=0)
+
+    @needs_spmd_mesh
+    def test_witness_spmd_mesh_without_fix(self) -> None:
+        with plugin(False):
+            grad = self.witness_grad(spmd_mesh=True)
+        expected = SUM_BF16 if TORCH_REDUCES_TP_IN_BF16 else SUM_FP32
+        self.assertEqual(grad, torch.full((DIM,), expected), atol=0, rtol=0)
 
     def test_witness_without_fix(self) -> None:
         with plugin(False):
