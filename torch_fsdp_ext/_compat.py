@@ -1073,10 +1073,12 @@ TP_REDUCE_METHOD = ("FSDPParam", "_get_grad_inner_tensor")
 
 
 def grad_inner_tensor_method() -> Callable | None:
-    """``FSDPParam._get_grad_inner_tensor``, where this release has it."""
+    """``FSDPParam._get_grad_inner_tensor`` as FSDP calls it without the plugin's wrapper; None where missing."""
     owner = load_internals().symbols.get(TP_REDUCE_METHOD[0])
     method = getattr(owner, TP_REDUCE_METHOD[1], None)
-    return method if callable(method) else None
+    if not callable(method):
+        return None
+    return inspect.unwrap(method, stop=lambda fn: function_origin(fn) != "torch_fsdp_ext")
 
 
 def tp_reduce_symbol_name() -> str:
