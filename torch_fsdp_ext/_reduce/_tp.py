@@ -50,12 +50,13 @@ class TPAllReduceInReduceDtype:
 def wrap_grad_inner_tensor(original: Callable) -> Callable:
     @wraps(original)
     def _get_grad_inner_tensor(fsdp_param: Any, grad: torch.Tensor) -> torch.Tensor:
-        # Note: the cast keeps the DTensor's placements (``Partial`` stays ``Partial``), so the
-        # redistribute that follows reduces in ``reduce_dtype``; bf16 -> fp32 is exact, so each
-        # rank's contribution is what it was.
-        reduce_dtype = fsdp_param.reduce_dtype
-        if reduce_dtype is not None and grad.dtype != reduce_dtype and _compat.reduces_outside_dp(fsdp_param, grad):
-            grad = grad.to(reduce_dtype)
+        # Note: a plain tensor (no tensor parallel) goes straight through. The cast keeps the
+        # DTensor's placements (``Partial`` stays ``Partial``), so the redistribute that follows
+        # reduces in ``reduce_dtype``; bf16 -> fp32 is exact: each rank contributes what it did.
+        if type(grad) is not torch.Tensor:
+            reduce_dtype = fsdp_param.reduce_dtype
+            if reduce_dtype not in (None, grad.dtype) and _compat.reduces_outside_dp(fsdp_param, grad):
+                grad = grad.to(reduce_dtype)
         return original(fsdp_param, grad)
 
     return _get_grad_inner_tensor
