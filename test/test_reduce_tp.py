@@ -9,6 +9,9 @@ the norm's and the router's ``Partial`` gradients in bf16; 2.15 does it in fp32.
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import unittest
 from typing import Iterator
 
@@ -20,7 +23,7 @@ from torch_fsdp_ext import _compat
 from torch_fsdp_ext._patching import PatchSet
 from torch_fsdp_ext._reduce._tp import TPAllReduceInReduceDtype
 
-from common import FSDPExtTestCase, MixedPrecisionPolicy, RMSNorm, fully_shard, plugin
+from common import ROOT, FSDPExtTestCase, MixedPrecisionPolicy, RMSNorm, fully_shard, plugin
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 DIM = 8
@@ -333,6 +336,18 @@ class TPReducePatchTest(TestCase):
         finally:
             patches.restore()
             _compat.probe_tp_grad_reduce_dtype.cache_clear()
+
+
+class TPWitnessToolTest(TestCase):
+    def test_tool_prints_the_witness(self) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        result = subprocess.run(
+            [sys.executable, "tools/tp_witness.py"], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
+        )
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        without = SUM_BF16 if TORCH_REDUCES_TP_IN_BF16 else SUM_FP32
+        self.assertIn(f"needed={TORCH_REDUCES_TP_IN_BF16} ", result.stdout)
+        self.assertIn(f"without {without!r}, with {SUM_FP32!r}", result.stdout)
 
 
 if __name__ == "__main__":
