@@ -1093,8 +1093,9 @@ def reduces_outside_dp(fsdp_param: Any, grad: torch.Tensor) -> bool:
     True where ``grad`` is a DTensor with a ``Partial`` placement on such a dim that the
     parameter's placements there are not: the redistribute is an all-reduce (to ``Replicate``)
     or a reduce-scatter (to ``Shard``). DP dims are left to FSDP's reduce-scatter (spmd meshes).
+    The parameter's placements: ``_unsharded_dtensor_spec`` (2.12 on), ``_tp_spec`` on older releases.
     """
-    spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+    spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None) or getattr(fsdp_param, "_tp_spec", None)
     placements = getattr(grad, "placements", None)
     if spec is None or placements is None or len(placements) != len(spec.placements):
         return False
