@@ -45,13 +45,14 @@ needs_unused_params_api = unittest.skipUnless(
 )
 
 
-@contextlib.contextmanager
-def tp_reduce_fix() -> Iterator[None]:
-    """The plugin with the TP all-reduce part installed where this torch needs it.
+def tp_reduce_fix() -> contextlib.AbstractContextManager:
+    """The plugin with the TP all-reduce part (at merge, once it is in the ``reduce`` fix: ``return plugin(True)``)."""
+    return plugin_and_tp_part()
 
-    Note: until the part is wired into the ``reduce`` fix, it is installed here directly;
-    then this becomes ``plugin(True, fixes=["reduce"])``.
-    """
+
+@contextlib.contextmanager
+def plugin_and_tp_part() -> Iterator[None]:
+    """Until the TP part is wired into the ``reduce`` fix: the plugin, and the part installed where torch needs it."""
     part, patches = TPAllReduceInReduceDtype(), PatchSet()
     with plugin(True):
         if part.needed()[0]:
