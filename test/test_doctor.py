@@ -58,9 +58,9 @@ def table(stdout: str) -> str:
 # The reduce fix's row, by (this torch has the mixed-gradient-dtype failure, the frozen-first-forward failure).
 REDUCE_ROWS = {
     (True, True): "reduce     yes     yes     AssertionError → fixed                "
-                  "fixes mixed gradient dtypes, frozen first forward",  # 2.12, 2.13
+                  "fixes mixed gradient dtypes, frozen first forward, TP all-reduce",  # 2.12, 2.13
     (True, False): "reduce     partly  yes     AssertionError → fixed                "
-                   "fixes mixed gradient dtypes (torch: frozen first forward)",  # 2.14
+                   "fixes mixed gradient dtypes, TP all-reduce (torch: frozen first forward)",  # 2.14
     (False, False): "reduce     no      no      no failure → runs                     "
                     "this torch reduces each of these cases in the reduce dtype itself",  # 2.15
 }

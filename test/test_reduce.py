@@ -324,11 +324,12 @@ class TestReduceFixInstall(TestCase):
         parts = fix.details["parts"]
         self.assertEqual(parts["mixed gradient dtypes"], "torch_fsdp_ext" if HAS_GRAD_DTYPES_BUG else "upstream")
         self.assertEqual(parts["frozen first forward"], "torch_fsdp_ext" if HAS_FROZEN_BUG else "upstream")
+        self.assertEqual(parts["TP all-reduce"], "torch_fsdp_ext" if HAS_GRAD_DTYPES_BUG else "upstream")  # both 2.15
         if HAS_GRAD_DTYPES_BUG or HAS_FROZEN_BUG:
             self.assertEqual(active, ["reduce"])
             self.assertTrue(fix.active)
             self.assertIsNot(module.foreach_reduce, original)
-            self.assertEqual(fix.wraps, [f"{module.__name__}.foreach_reduce"])
+            self.assertEqual(fix.wraps, [f"{module.__name__}.foreach_reduce", _compat.tp_reduce_symbol_name()])
         else:  # 2.15: nothing installed, nothing patched
             self.assertEqual(active, [])
             self.assertFalse(fix.active)
@@ -346,7 +347,9 @@ class TestReduceFixInstall(TestCase):
         row = next(line for line in text.splitlines() if line.startswith("reduce "))
         if HAS_GRAD_DTYPES_BUG and HAS_FROZEN_BUG:
             self.assertRegex(row, r"^reduce\s+yes\s+yes")
-            self.assertIn("reduce: the plugin fixes the mixed gradient dtypes and the frozen first forward.", text)
+            self.assertIn(
+                "reduce: the plugin fixes the mixed gradient dtypes, the frozen first forward and the TP all-reduce.", text
+            )
         elif HAS_GRAD_DTYPES_BUG:
             self.assertRegex(row, r"^reduce\s+partly\s+yes")
             self.assertIn("reduce: needed in part: this torch fixes the frozen first forward itself.", text)

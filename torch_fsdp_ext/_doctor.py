@@ -8,8 +8,8 @@ absence of an exception.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
+import os
 import traceback
 from dataclasses import dataclass
 

@@ -15,11 +15,15 @@ fail in ``FSDPParamGroup.post_backward``'s reduce on paths an ordinary fp32 mode
 
       RuntimeError: attempting to assign a gradient with dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'
 
+- with tensor parallel, a TP-replicated parameter's gradient (a ``SequenceParallel`` norm, a
+  router) is all-reduced over the TP mesh in the compute dtype, silently (pytorch#190626).
+
 The fix is made of parts, each probed and installed alone (``_fix`` describes their
 interface), one concern per module, each importing only those listed before it:
 
 - ``_grad_dtypes``: the part that brings a group's gradients to the reduce dtype before the copy-in;
 - ``_frozen_first_forward``: the part that resolves a group's dtypes when its first forward ran frozen;
+- ``_tp``: the part that all-reduces a TP-replicated parameter's gradient in the reduce dtype;
 - ``_fix``: the fix's interface, which decides and installs the parts (``ReduceFix``).
 """
 

@@ -14,7 +14,9 @@ gradient reduction that a torch release has or has not. A part is an object with
 - ``wrapped_symbols() -> list[str]``: the torch functions it wraps, for ``status()``.
 
 The fix is needed where any part is, and installs the parts that are. Parts that wrap one
-function are installed in tuple order, so a later part's wrapper runs first.
+function are installed in tuple order, so a later part's wrapper runs first. A part may need
+another one installed with it (``installs_with``): the TP part leaves a group with gradients
+of two dtypes, which the mixed-gradient part reduces.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .. import _compat
 from .._patching import PatchSet
 from ._frozen_first_forward import FrozenFirstForward
 from ._grad_dtypes import MixedGradDtypes
+from ._tp import TPAllReduceInReduceDtype
 
 
 class ReduceFix:
@@ -35,7 +38,9 @@ class ReduceFix:
         self.internals = internals
         # Note: the frozen-first-forward part comes last, so that its wrapper resolves a
         # group's reduce dtype before the mixed-dtype part reads it.
-        self.parts = (MixedGradDtypes(internals), FrozenFirstForward(internals))
+        mixed_grad_dtypes = MixedGradDtypes(internals)
+        self.parts = (mixed_grad_dtypes, FrozenFirstForward(internals), TPAllReduceInReduceDtype())
+        self.installs_with = {self.parts[2]: mixed_grad_dtypes}
         self._active = False
 
     @property
@@ -62,12 +67,16 @@ class ReduceFix:
         who = {True: "torch_fsdp_ext", False: "upstream", None: "unknown"}
         return {part.name: who[part.needed()[0]] for part in self.parts}
 
+    def parts_to_install(self) -> list:
+        needed = [part for part in self.parts if part.needed()[0]]
+        with_them = {self.installs_with[part] for part in needed if part in self.installs_with}
+        return [part for part in self.parts if part in needed or part in with_them]
+
     def wrapped_symbols(self) -> list[str]:
-        names = [name for part in self.parts if part.needed()[0] for name in part.wrapped_symbols()]
+        names = [name for part in self.parts_to_install() for name in part.wrapped_symbols()]
         return list(dict.fromkeys(names))
 
     def install(self, patches: PatchSet) -> None:
-        for part in self.parts:
-            if part.needed()[0]:
-                part.install(patches)
+        for part in self.parts_to_install():
+            part.install(patches)
         self._active = True
