@@ -26,6 +26,8 @@ QUICK = (
     "test/test_preserve.py::TestPreserve::test_assertion_without_plugin_then_preserve_keeps_loaded_dtypes",
     "test/test_recompute.py::TestSeedFlavour::test_checkpoint_error_reproduces_without_plugin",
     "test/test_recompute.py::TestSeedFlavour::test_1_checkpoint_fsdp_module_under_autocast",
+    "test/test_reduce.py::TestReduceCases::test_fresh_gradient_on_the_sync_micro_batch_equals_reference",
+    "test/test_reduce_tp.py::TPReduceTest::test_witness_with_fix",
     "test/test_compute_dtype.py::TestComputeDtype::test_transformers_keep_in_fp32_lists_through_auto",
     "test/test_loaded_dtypes.py::TestAsLoaded::test_save_pretrained_writes_the_loaded_dtypes_and_sizes",
     "test/test_headline.py::TestHeadlineCase::test_moe_with_fp32_router_under_trainer_fsdp2",
