@@ -23,6 +23,9 @@ from torch.testing._internal.common_distributed import MultiProcessTestCase
 
 import torch_fsdp_ext
 from torch_fsdp_ext import _compat
+from torch_fsdp_ext._compat import _dtype as _compat_dtype
+from torch_fsdp_ext._compat import _recompute as _compat_recompute
+from torch_fsdp_ext._compat import _reduce as _compat_reduce
 
 # The public FSDP2 API wherever this release exports it (torch.distributed.fsdp from 2.6).
 CPUOffloadPolicy = _compat.fsdp2_api().CPUOffloadPolicy
@@ -44,11 +47,11 @@ if UPSTREAM_ONLY:
     assert not any(fix.active for fix in torch_fsdp_ext.status().fixes.values()), "set TORCH_FSDP_EXT_DISABLE=1"
 
 # What torch release we run on, by probing (same answers the plugin uses).
-HAS_DTYPE_BUG = bool(_compat.probe_rejects_mixed_trainable_dtypes())
+HAS_DTYPE_BUG = bool(_compat_dtype.probe_rejects_mixed_trainable_dtypes())
 needs_dtype_fix = unittest.skipUnless(HAS_DTYPE_BUG, "this torch accepts mixed trainable dtypes: the dtype fix is off")
-HAS_RECOMPUTE_CAST_BUG = _compat.probe_recompute_casts_inputs() is False
-HAS_GRAD_DTYPES_BUG = bool(_compat.probe_reduce_rejects_mixed_grad_dtypes())  # pytorch#196996, up to 2.14
-HAS_FROZEN_BUG = bool(_compat.probe_frozen_first_forward_drops_reduce_dtype())  # pytorch#186998, up to 2.13
+HAS_RECOMPUTE_CAST_BUG = _compat_recompute.probe_recompute_casts_inputs() is False
+HAS_GRAD_DTYPES_BUG = bool(_compat_reduce.probe_reduce_rejects_mixed_grad_dtypes())  # pytorch#196996, up to 2.14
+HAS_FROZEN_BUG = bool(_compat_reduce.probe_frozen_first_forward_drops_reduce_dtype())  # pytorch#186998, up to 2.13
 
 
 def use_nccl(world_size: int) -> bool:

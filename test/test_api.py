@@ -318,12 +318,13 @@ class TestFreshInterpreter(TestCase):
         out = self.run_case(
             """
             import torch_fsdp_ext
-            from torch_fsdp_ext import _compat
-            _compat.probe_rejects_mixed_trainable_dtypes = lambda: False  # as if upstream fixed it
-            _compat.probe_recompute_casts_inputs = lambda: True
-            _compat.probe_recompute_moves_inputs = lambda: True
-            _compat.probe_reduce_rejects_mixed_grad_dtypes = lambda: False
-            _compat.probe_frozen_first_forward_drops_reduce_dtype = lambda: False
+            from torch_fsdp_ext._compat import _dtype as _compat_dtype, _recompute as _compat_recompute
+            from torch_fsdp_ext._compat import _reduce as _compat_reduce
+            _compat_dtype.probe_rejects_mixed_trainable_dtypes = lambda: False  # as if upstream fixed it
+            _compat_recompute.probe_recompute_casts_inputs = lambda: True
+            _compat_recompute.probe_recompute_moves_inputs = lambda: True
+            _compat_reduce.probe_reduce_rejects_mixed_grad_dtypes = lambda: False
+            _compat_reduce.probe_frozen_first_forward_drops_reduce_dtype = lambda: False
             from torch_fsdp_ext._report import plugin_does
             dtype = torch_fsdp_ext.status().fixes["dtype"]
             print(torch_fsdp_ext.install(), dtype.reason)

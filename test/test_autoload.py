@@ -46,9 +46,9 @@ class AutoloadTest(TestCase):
 
     def test_status_never_says_the_plugin_does_what_it_stands_aside_from(self) -> None:
         code = (
-            "import torch_fsdp_ext; from torch_fsdp_ext import _compat; "
-            "_compat.probe_checkpoint_frames.cache_clear(); "
-            "_compat.probe_checkpoint_frames = lambda: 'a stand-in difference'; "
+            "import torch_fsdp_ext; from torch_fsdp_ext._compat import _recompute as _compat_recompute; "
+            "_compat_recompute.probe_checkpoint_frames.cache_clear(); "
+            "_compat_recompute.probe_checkpoint_frames = lambda: 'a stand-in difference'; "
             "print(torch_fsdp_ext.status())"
         )
         text = python("-c", code).stdout

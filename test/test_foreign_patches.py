@@ -26,6 +26,8 @@ from common import (
     seed_000_model, shard_model,
 )
 from torch_fsdp_ext import _compat
+from torch_fsdp_ext._compat import _dtype as _compat_dtype
+from torch_fsdp_ext._compat import _reduce as _compat_reduce
 
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 STEPS = 4
@@ -110,7 +112,7 @@ class TestForeignReduceWrapper(FSDPExtTestCase):
         self.assertEqual({v.dtype for v in reference[1].values()}, {torch.bfloat16, torch.float32})  # kept mixed
         for when in ("before", "after_install", "after_first_step"):
             with self.subTest(when=when):
-                if when == "after_first_step" and not _compat.probe_reduce_casts_grads_per_param():
+                if when == "after_first_step" and not _compat_dtype.probe_reduce_casts_grads_per_param():
                     # The plugin reduces mixed groups itself on this torch: a wrapper that dropped its own is refused.
                     with self.assertRaises(RuntimeError) as caught:
                         self._train_with_wrapper(when)
@@ -128,7 +130,7 @@ class TestForeignReduceWrapper(FSDPExtTestCase):
     def test_a_wrapper_put_over_the_plugins_stays_when_the_plugins_goes(self):
         """The plugin's reduce wrapper goes with the last group that needs it; a library's wrapper put over it
         since (NeMo's, after the first step) stays in place, with one warning naming it."""
-        if _compat.probe_reduce_casts_grads_per_param():
+        if _compat_dtype.probe_reduce_casts_grads_per_param():
             self.skipTest("this torch reduces mixed-dtype groups itself: the plugin puts no wrapper on foreach_reduce")
         gc.collect()
         param_group_module = reduce_modules()[1]
@@ -149,7 +151,7 @@ class TestForeignReduceWrapper(FSDPExtTestCase):
 
     def test_torch_own_function_is_found_behind_the_wrapper(self):
         collectives, param_group_module = reduce_modules()
-        torch_reduce = _compat.torch_foreach_reduce()  # behind the reduce fix's wrappers, where installed
+        torch_reduce = _compat_reduce.torch_foreach_reduce()  # behind the reduce fix's wrappers, where installed
         self.assertIs(torch_reduce, collectives.foreach_reduce)
         self.assertEqual(_compat.function_origin(torch_reduce), "torch")
         undo = patch_uniform_reduce_dtype()
@@ -157,12 +159,12 @@ class TestForeignReduceWrapper(FSDPExtTestCase):
             wrapper = param_group_module.foreach_reduce
             self.assertEqual(_compat.function_origin(wrapper), "foreign")
             self.assertIs(_compat.torch_own(wrapper, "foreach_reduce"), torch_reduce)
-            _compat.probe_reduce_casts_grads_per_param.cache_clear()
-            answer_behind_wrapper = _compat.probe_reduce_casts_grads_per_param()
+            _compat_dtype.probe_reduce_casts_grads_per_param.cache_clear()
+            answer_behind_wrapper = _compat_dtype.probe_reduce_casts_grads_per_param()
         finally:
             undo()
-            _compat.probe_reduce_casts_grads_per_param.cache_clear()
-        self.assertEqual(answer_behind_wrapper, _compat.probe_reduce_casts_grads_per_param())
+            _compat_dtype.probe_reduce_casts_grads_per_param.cache_clear()
+        self.assertEqual(answer_behind_wrapper, _compat_dtype.probe_reduce_casts_grads_per_param())
 
 
 @plugin_specific

@@ -197,8 +197,8 @@ class TestWithoutFSDP2(unittest.TestCase):
 UNDECIDABLE_DTYPE_CHECK = """
 import json, warnings
 import torch_fsdp_ext
-from torch_fsdp_ext import _compat
-_compat.probe_rejects_mixed_trainable_dtypes = lambda: None  # _init_mp_dtypes ran but told nothing
+from torch_fsdp_ext._compat import _dtype as _compat_dtype
+_compat_dtype.probe_rejects_mixed_trainable_dtypes = lambda: None  # _init_mp_dtypes ran but told nothing
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     torch_fsdp_ext.install()
@@ -231,17 +231,18 @@ class TestUndecidableDtypeCheck(unittest.TestCase):
         from common import plugin
 
         from torch_fsdp_ext import _compat
+        from torch_fsdp_ext._compat import _dtype as _compat_dtype
 
         internals = _compat.load_internals()
 
         def lazy_init_rejects(*dtypes: torch.dtype) -> bool | None:
-            group = _compat._lazy_init_probe_group(internals, [_compat._ProbeParam(d, True) for d in dtypes])
-            return _compat._rejects(lambda: internals.FSDPParamGroup.lazy_init(group))
+            group = _compat_dtype._lazy_init_probe_group(internals, [_compat_dtype._ProbeParam(d, True) for d in dtypes])
+            return _compat_dtype._rejects(lambda: internals.FSDPParamGroup.lazy_init(group))
 
         with plugin(False):  # torch's own lazy init, as the probe sees it before installing
             self.assertIs(lazy_init_rejects(torch.float32, torch.float32), False)
             self.assertIs(lazy_init_rejects(torch.bfloat16, torch.float32), True)  # inside its _init_mp_dtypes here
-        self.assertEqual(_compat.probe_uniform_dtype_check(), "_init_mp_dtypes")
+        self.assertEqual(_compat_dtype.probe_uniform_dtype_check(), "_init_mp_dtypes")
 
 if __name__ == "__main__":
     unittest.main()

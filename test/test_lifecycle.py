@@ -27,6 +27,7 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_fsdp_ext
 from torch_fsdp_ext import MixedParamDtypeError, _compat
+from torch_fsdp_ext._compat import _dtype as _compat_dtype
 
 from common import (
     HAS_DTYPE_BUG,
@@ -256,7 +257,7 @@ Fix: move `import torch_fsdp_ext` before fully_shard and before loading the mode
     def test_uninstall_keeps_live_preserve_groups_working_then_restores_originals(self):
         group_cls = _compat.load_internals().FSDPParamGroup
         reduce_module = _compat.load_internals().fsdp_param_group_module
-        wraps_reduce = not _compat.probe_reduce_casts_grads_per_param()  # releases up to 2.14
+        wraps_reduce = not _compat_dtype.probe_reduce_casts_grads_per_param()  # releases up to 2.14
         original_foreach_reduce = reduce_module.foreach_reduce
         with plugin(True, **PRESERVE):
             original_init_mp_dtypes = group_cls._init_mp_dtypes.__wrapped__

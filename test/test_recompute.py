@@ -16,7 +16,7 @@ from torch.testing._internal.common_utils import run_tests
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 import torch_fsdp_ext
-from torch_fsdp_ext import _compat
+from torch_fsdp_ext._compat import _recompute as _compat_recompute
 from torch_fsdp_ext._recompute import _state as recompute_state
 from torch_fsdp_ext._recompute._frames import FrameRecords
 
@@ -69,7 +69,7 @@ class ActivationRecorder:
         ]
 
     def _record(self, name: str, module: nn.Module, args, output: torch.Tensor) -> None:
-        in_backward = _compat.current_graph_task_id() != -1
+        in_backward = _compat_recompute.current_graph_task_id() != -1
         (self.recomputed if in_backward else self.forward).setdefault(name, []).append(output.detach().clone())
 
     def assert_recompute_matches(self, test: unittest.TestCase) -> None:
@@ -286,18 +286,18 @@ class TestReplayMechanics(RecomputeTestCase):
 
     def test_input_cast_is_not_applied_twice_where_upstream_casts(self):
         calls = []
-        original = _compat.cast_floating_tensors
+        original = _compat_recompute.cast_floating_tensors
 
         def counting(dtype, value):
             calls.append(dtype)
             return original(dtype, value)
 
-        _compat.cast_floating_tensors = counting
+        _compat_recompute.cast_floating_tensors = counting
         try:
             with plugin(True):
                 self.run_flavour(lambda _: sharded(MLPBlock(), BF16), checkpoint_whole)
         finally:
-            _compat.cast_floating_tensors = original
+            _compat_recompute.cast_floating_tensors = original
         if HAS_RECOMPUTE_CAST_BUG:
             self.assertEqual(calls, [torch.bfloat16, torch.bfloat16])  # args and kwargs, once
         else:
@@ -305,7 +305,7 @@ class TestReplayMechanics(RecomputeTestCase):
 
     def _autocast_only_in_forward(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Forward under autocast that recomputation does not restore (as for CUDA autocast with CPU inputs)."""
-        in_recompute = _compat.current_graph_task_id() != -1
+        in_recompute = _compat_recompute.current_graph_task_id() != -1
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not in_recompute):
             return block(x)
 
@@ -326,7 +326,7 @@ class TestReplayMechanics(RecomputeTestCase):
     def test_exception_in_recompute_restores_autocast_and_frames(self):
         class FailsInRecompute(nn.Module):
             def forward(self, x):
-                if _compat.current_graph_task_id() != -1:
+                if _compat_recompute.current_graph_task_id() != -1:
                     raise ValueError("boom in recompute")
                 return x
 

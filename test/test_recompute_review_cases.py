@@ -28,7 +28,7 @@ from torch.testing._internal.common_utils import run_tests
 from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
-from torch_fsdp_ext import _compat
+from torch_fsdp_ext._compat import _recompute as _compat_recompute
 from torch_fsdp_ext._recompute._frames import FrameRecords
 
 from common import FSDPExtTestCase, full_grads, fully_shard, plugin, plugin_specific
@@ -147,7 +147,7 @@ class TestReviewCasesOfTheInputMoveReplay(FSDPExtTestCase):
         rng_reads = []  # of the device's RNG state by the plugin, in the 50 plain forwards
 
         def forwards(model: Root, x: torch.Tensor) -> torch.Tensor:
-            with mock.patch.object(_compat, "device_rng_state", wraps=_compat.device_rng_state) as read:
+            with mock.patch.object(_compat_recompute, "device_rng_state", wraps=_compat_recompute.device_rng_state) as read:
                 kept = [model(x) for _ in range(50)]  # grad-enabled, no backward: nothing checkpointed
             rng_reads.append(read.call_count)
             live_records.append(live_frame_records())

@@ -9,7 +9,7 @@ here. Without a GPU, ``StandInAccelerator`` plays that device on CPU:
   only to decide the move and as its target), and the move itself (``_to_kwargs``
   in FSDP's ``_fsdp_state`` and in the plugin's replay) returns clones that the
   stand-in remembers, so "moved" can be checked;
-- ``_compat.device_rng_module`` (the plugin's only access to a device's RNG)
+- ``_compat_recompute.device_rng_module`` (the plugin's only access to a device's RNG)
   returns the stand-in, whose ``torch.Generator`` is the device's RNG;
 - ``DeviceDropout`` draws its mask from that generator, as dropout on a CUDA
   tensor draws from the CUDA generator. Checkpoint does not know the generator,
@@ -38,6 +38,7 @@ from torch.testing._internal.common_utils import run_tests
 from torch.utils.checkpoint import checkpoint
 
 from torch_fsdp_ext import _compat
+from torch_fsdp_ext._compat import _recompute as _compat_recompute
 from torch_fsdp_ext._recompute import _replay as recompute_replay, _state as recompute_state
 
 from common import FSDPExtTestCase, error_text, full_grads, fully_shard, plugin, plugin_specific
@@ -52,7 +53,7 @@ class StandInAccelerator:
         self.generator = torch.Generator().manual_seed(seed)
         self.moved: list[torch.Tensor] = []
 
-    # The device module's RNG functions, as ``_compat.device_rng_module`` returns them.
+    # The device module's RNG functions, as ``_compat_recompute.device_rng_module`` returns them.
     def get_rng_state(self, device: torch.device | None = None) -> torch.Tensor:
         return self.generator.get_state()
 
@@ -81,7 +82,7 @@ class StandInAccelerator:
         with contextlib.ExitStack() as stack:
             stack.enter_context(mock.patch.object(fsdp_state_module, "_to_kwargs", self.to_kwargs))
             stack.enter_context(mock.patch.dict(internals.symbols, to_kwargs=self.to_kwargs))
-            stack.enter_context(mock.patch.object(_compat, "device_rng_module", lambda device: self))
+            stack.enter_context(mock.patch.object(_compat_recompute, "device_rng_module", lambda device: self))
             for state in states:
                 stack.enter_context(mock.patch.object(state, "_device", torch.device("cuda")))
             yield

@@ -32,6 +32,7 @@ from common import (
     needs_dtype_fix, plugin, plugin_specific, seed_000_model, shard_model,
 )
 from torch_fsdp_ext import _compat
+from torch_fsdp_ext._compat import _reduce as _compat_reduce
 
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 LR = 0.1
@@ -329,7 +330,7 @@ class TestReduceFixInstall(TestCase):
             self.assertEqual(active, ["reduce"])
             self.assertTrue(fix.active)
             self.assertIsNot(module.foreach_reduce, original)
-            self.assertEqual(fix.wraps, [f"{module.__name__}.foreach_reduce", _compat.tp_reduce_symbol_name()])
+            self.assertEqual(fix.wraps, [f"{module.__name__}.foreach_reduce", _compat_reduce.tp_reduce_symbol_name()])
         else:  # 2.15: nothing installed, nothing patched
             self.assertEqual(active, [])
             self.assertFalse(fix.active)

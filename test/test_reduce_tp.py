@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 from torch_fsdp_ext import _compat
+from torch_fsdp_ext._compat import _reduce as _compat_reduce
 from torch_fsdp_ext._patching import PatchSet
 from torch_fsdp_ext._reduce._tp import TPAllReduceInReduceDtype
 
@@ -33,7 +34,7 @@ CONTRIBUTIONS = (1.0, 2.0**-10)
 SUM_FP32 = (torch.tensor(CONTRIBUTIONS[0]) + torch.tensor(CONTRIBUTIONS[1])).item()
 SUM_BF16 = torch.tensor(CONTRIBUTIONS, dtype=torch.bfloat16).sum().item()
 
-TORCH_REDUCES_TP_IN_BF16 = _compat.probe_tp_grad_reduce_dtype()[0] == torch.bfloat16
+TORCH_REDUCES_TP_IN_BF16 = _compat_reduce.probe_tp_grad_reduce_dtype()[0] == torch.bfloat16
 needs_tp_bug = unittest.skipUnless(TORCH_REDUCES_TP_IN_BF16, "this torch all-reduces TP gradients in reduce_dtype")
 needs_spmd_mesh = unittest.skipUnless(
     hasattr(_compat.fsdp2_api(), "DataParallelMeshDims"), "this torch's fully_shard takes no dp_mesh_dims"
@@ -273,7 +274,7 @@ class TPReducePatchTest(TestCase):
 
     def owners(self) -> list[tuple[object, str]]:
         internals = _compat.load_internals()
-        return [(internals.FSDPParam, _compat.TP_REDUCE_METHOD[1])]
+        return [(internals.FSDPParam, _compat_reduce.TP_REDUCE_METHOD[1])]
 
     def test_install_restores_originals(self) -> None:
         part = TPAllReduceInReduceDtype()
@@ -285,7 +286,7 @@ class TPReducePatchTest(TestCase):
                 during = [owner.__dict__.get(name) for owner, name in self.owners()]
                 self.assertTrue(all(d is not b for d, b in zip(during, before)), part.wrapped_symbols())
                 # The probe reads torch's function behind the plugin's wrapper.
-                _compat.probe_tp_grad_reduce_dtype.cache_clear()
+                _compat_reduce.probe_tp_grad_reduce_dtype.cache_clear()
                 self.assertIs(part.needed()[0], True)
             patches.restore()
             after = [owner.__dict__.get(name) for owner, name in self.owners()]
@@ -314,12 +315,12 @@ class TPReducePatchTest(TestCase):
     def needed_with(self, owner: object, name: str, replacement) -> bool | None:
         patches = PatchSet()
         patches.wrap(owner, name, lambda original: replacement)
-        _compat.probe_tp_grad_reduce_dtype.cache_clear()
+        _compat_reduce.probe_tp_grad_reduce_dtype.cache_clear()
         try:
             return TPAllReduceInReduceDtype().needed()[0]
         finally:
             patches.restore()
-            _compat.probe_tp_grad_reduce_dtype.cache_clear()
+            _compat_reduce.probe_tp_grad_reduce_dtype.cache_clear()
 
 
 class TPWitnessToolTest(TestCase):

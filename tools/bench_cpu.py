@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_fsdp_ext
 from torch_fsdp_ext import _compat
+from torch_fsdp_ext._compat import _recompute as _compat_recompute
 from torch_fsdp_ext._compat import fsdp2_api
 from torch_fsdp_ext._rank_end import end_rank
 
@@ -179,7 +180,7 @@ def time_plugin_wrappers(model: nn.Module):
 
     for module in model.modules():
         state = fully_shard.state(module) if isinstance(module, FSDPModule) else None
-        for hooks, hook_id, kind in (_compat.forward_hook_slots(state) or []) if state is not None else []:
+        for hooks, hook_id, kind in (_compat_recompute.forward_hook_slots(state) or []) if state is not None else []:
             hook = hooks[hook_id]
             hooks[hook_id] = instrument(f"FSDP {kind}-forward", hook)
             restore.append(lambda hooks=hooks, hook_id=hook_id, hook=hook: hooks.__setitem__(hook_id, hook))

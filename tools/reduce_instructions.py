@@ -20,8 +20,9 @@ from torch.utils.benchmark import Timer
 SETUP = """
 import torch
 from torch_fsdp_ext import _compat
+from torch_fsdp_ext._compat import _reduce as _compat_reduce
 from torch_fsdp_ext._reduce import ReduceFix
-positions = _compat.foreach_reduce_argument_positions()
+positions = _compat_reduce.foreach_reduce_argument_positions()
 def torch_reduce(*args, **kwargs):
     return None
 fix = ReduceFix(_compat.load_internals())

@@ -116,6 +116,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _compat
+from .._compat import _dtype as _compat_dtype
 from . import _compute_dtype, _mixed_groups, _optimizer_state, _roots
 from ._plan import (
     MixedParamDtypeError,
@@ -186,7 +187,7 @@ class DtypeFix:
             self.refuse_half_initialised_models()
 
     def needed(self) -> tuple[bool, str]:
-        rejects = _compat.probe_rejects_mixed_trainable_dtypes()
+        rejects = _compat_dtype.probe_rejects_mixed_trainable_dtypes()
         if rejects is False:
             return False, "this torch accepts mixed trainable dtypes in one group"
         if rejects is None:
@@ -196,13 +197,13 @@ class DtypeFix:
             return None, ("cannot tell whether this torch still rejects mixed trainable dtypes (its _init_mp_dtypes "
                           "did not run on the probe's stand-in group); nothing is upcast, and torch's own check "
                           "applies")
-        if _compat.probe_uniform_dtype_check() == "lazy_init":
+        if _compat_dtype.probe_uniform_dtype_check() == "lazy_init":
             return True, ("FSDPParamGroup.lazy_init asserts one dtype for all trainable params of a group (outside "
                           "_init_mp_dtypes); upcast still fixes it, preserve cannot")
         return True, "_init_mp_dtypes asserts one dtype for all trainable params of a group"
 
     def wrapped_symbols(self) -> list[str]:
-        owners = ("FSDPParamGroup",) if _compat.probe_reduce_casts_grads_per_param() else _compat.MIXED_REDUCE_OWNERS
+        owners = ("FSDPParamGroup",) if _compat_dtype.probe_reduce_casts_grads_per_param() else _compat_dtype.MIXED_REDUCE_OWNERS
         names = _compat.symbol_names(self.internals, (*owners, "FSDPState.init", "FSDPState._lazy_init"))
         entry_points = [f"{module.__name__}.{name}" for module, name in _compat.state_dict_entry_points()]
         return names + entry_points + ["torch.optim.Optimizer.add_param_group"]
@@ -457,7 +458,7 @@ class DtypeFix:
                 if root is not None:
                     fix.adopt_groups_built_past_the_hook(root)
                     fix.upcast_model(root)
-                    if _compat.probe_uniform_dtype_check() == "lazy_init":
+                    if _compat_dtype.probe_uniform_dtype_check() == "lazy_init":
                         _refuse_preserve_before_group_lazy_init(root)
             return original(state)
 
@@ -648,9 +649,9 @@ def _model_param_entries(group: Any, names: dict[int, str]) -> list[ParamEntry]:
 
 def _refuse_preserve_if_unsupported(group_name: str, plan: Any) -> None:
     """``preserve`` keeps a group mixed through ``_init_mp_dtypes``; some releases check elsewhere too."""
-    if _compat.probe_dtype_check_counts_frozen():
+    if _compat_dtype.probe_dtype_check_counts_frozen():
         why = "its _init_mp_dtypes also counts frozen parameters"
-    elif _compat.probe_uniform_dtype_check() == "lazy_init":
+    elif _compat_dtype.probe_uniform_dtype_check() == "lazy_init":
         why = "it checks for one dtype in FSDPParamGroup.lazy_init, outside the _init_mp_dtypes that preserve patches"
     else:
         return
@@ -720,7 +721,7 @@ class GroupKeeper:
         with self.lock:
             if group.__dict__.get("_torch_fsdp_ext_kept"):
                 return
-            if self.reduce_patches is None and not _compat.probe_reduce_casts_grads_per_param():
+            if self.reduce_patches is None and not _compat_dtype.probe_reduce_casts_grads_per_param():
                 patches = PatchSet()
                 try:
                     _mixed_groups.wrap_reduce_for_mixed_groups(patches)
@@ -778,7 +779,7 @@ class GroupKeeper:
                 _mixed_groups.init_mp_dtypes_of_mixed_group(original, group)
             else:
                 _mixed_groups.forget_mixed_group(group)
-                if _compat.probe_dtype_check_counts_frozen():
+                if _compat_dtype.probe_dtype_check_counts_frozen():
                     _init_mp_dtypes_trainable_only(original, group)
                 else:
                     original(group)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _compat
+from .._compat import _dtype as _compat_dtype
 from .._patching import wraps, wraps_over
 
 # Set on each FSDPParam of a mixed group (releases without per-parameter gradient dtypes):
@@ -39,7 +40,7 @@ def init_mp_dtypes_of_mixed_group(init_mp_dtypes: Callable, group: Any) -> None:
     finally:
         for param in trainable:
             param.requires_grad_(True)
-    if _compat.probe_reduce_casts_grads_per_param():
+    if _compat_dtype.probe_reduce_casts_grads_per_param():
         return
     # Note: FSDP stores ``reduce_dtype=None`` when it equals ``param_dtype`` (one dtype needs no
     # cast), which for a mixed group would mean "the promoted dtype": read the user's policy.

@@ -8,6 +8,7 @@ import warnings
 from typing import Callable
 
 from .. import _compat
+from .._compat import _recompute as _compat_recompute
 from .._patching import PatchSet
 from ._records import attach_records, find_records, wrap_forward_enter, wrap_forward_exit
 from ._replay import wrap_post_forward, wrap_pre_forward, wrap_recompute_enter, wrap_recompute_exit
@@ -28,11 +29,11 @@ class RecomputeReplay(ReplayState):
 
     def needed(self) -> tuple[bool | None, str]:
         """(None, why) where this torch's checkpoint or FSDP forward state is not what the wrappers read."""
-        unlike = _compat.probe_checkpoint_frames() or _compat.probe_fsdp_forward_state()
+        unlike = _compat_recompute.probe_checkpoint_frames() or _compat_recompute.probe_fsdp_forward_state()
         if unlike is not None:
             return None, f"torch's internals changed ({unlike}); the recompute fix stands aside"
-        casts = _compat.probe_recompute_casts_inputs()
-        moves = _compat.probe_recompute_moves_inputs()
+        casts = _compat_recompute.probe_recompute_casts_inputs()
+        moves = _compat_recompute.probe_recompute_moves_inputs()
         if casts and moves:
             return False, "this torch replays the input cast and the root input move during recompute"
         if casts:
@@ -75,7 +76,7 @@ class RecomputeReplay(ReplayState):
         patches.wrap(internals.checkpoint_hook, "__exit__", functools.partial(wrap_forward_exit, self))
         patches.wrap(internals.recomputation_hook, "__exit__", functools.partial(wrap_recompute_exit, self))
         pre, post = internals.FSDPState.__dict__["_pre_forward"], internals.FSDPState.__dict__["_post_forward"]
-        pre_cell, post_cell = _compat.switchable_method_cell(pre), _compat.switchable_method_cell(post)
+        pre_cell, post_cell = _compat_recompute.switchable_method_cell(pre), _compat_recompute.switchable_method_cell(post)
         if pre_cell is not None and post_cell is not None:
             self.switch.add_cell(pre_cell, wrap_pre_forward(self, pre_cell.cell_contents))
             self.switch.add_cell(post_cell, wrap_post_forward(self, post_cell.cell_contents))
@@ -103,7 +104,7 @@ class RecomputeReplay(ReplayState):
         pre, post = state_cls.__dict__["_pre_forward"], state_cls.__dict__["_post_forward"]
         self.not_covered = []
         for obj in _compat.fsdp_states():
-            slots = _compat.forward_hook_slots(obj)
+            slots = _compat_recompute.forward_hook_slots(obj)
             if slots is None:
                 names = ", ".join(type(m).__name__ for m in getattr(obj, "_modules", ()))
                 self.not_covered.append(f"grouped fully_shard([{names}]) sharded before install()")

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import _compat
+from .._compat import _recompute as _compat_recompute
 from .._patching import wraps
 from ._frames import RECORDS_ATTR, ForwardContext, FrameRecords, RecomputeFrame
 from ._state import ReplayState
@@ -117,7 +117,7 @@ def record_input_move(
     for ``device``, and a recomputation would draw other random numbers
     there (other dropout masks) than the forward did.
     """
-    if not _compat.has_tensors_off(device, inputs):
+    if not _compat_recompute.has_tensors_off(device, inputs):
         return context
     if upstream_moves_inputs or stack[-1] is recompute:  # the latter: recorded in no region
         return context._replace(moved_to=device)
@@ -127,4 +127,4 @@ def record_input_move(
         records = entry
         if device not in records.input_move_devices:
             records.input_move_devices += (device,)
-    return context._replace(moved_to=device, device_rng_state=_compat.device_rng_state(device))
+    return context._replace(moved_to=device, device_rng_state=_compat_recompute.device_rng_state(device))

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .. import _compat
+from .._compat import _recompute as _compat_recompute
 from .._patching import wraps
 from ._frames import PLAIN_FORWARD, RECORDS_ATTR, ForwardContext, RecomputeFrame, Replay
 from ._records import capture_autocast, record_input_move
@@ -45,7 +45,7 @@ def autocast_off(device_type: str) -> tuple[tuple[str, bool, None], ...]:
 
 def autocast_device_types() -> tuple[str, ...]:
     """CPU and this machine's accelerator: the autocast states a recomputation may need restored."""
-    accelerator = _compat.accelerator_device_type()
+    accelerator = _compat_recompute.accelerator_device_type()
     return ("cpu", accelerator) if accelerator is not None else ("cpu",)
 
 
@@ -89,7 +89,7 @@ def wrap_recompute_enter(fix: ReplayState, original: Callable) -> Callable:
         # none runs in its recomputation either; e.g. checkpoint_wrapper applied inside an FSDP unit.
         if records is None or not records.contexts or not fix.active:
             return result
-        replays_autocast = records.any_autocast or (ambient_autocast_can_leak and _compat.any_autocast_enabled())
+        replays_autocast = records.any_autocast or (ambient_autocast_can_leak and _compat_recompute.any_autocast_enabled())
         # Note: nothing to replay (plain forwards, casts done by torch, no autocast to restore) and no
         # region around this one to record into: the recomputation is left to torch alone, so that the
         # FSDP hooks inside it take their fast path.
@@ -101,8 +101,8 @@ def wrap_recompute_enter(fix: ReplayState, original: Callable) -> Callable:
                 d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types
             }
         entry.replays_every_forward = entry.autocast_on_entry is not None or replays_casts
-        if records.input_move_devices and _compat.checkpoint_preserves_rng_state(records.recompute_fn):
-            entry.device_rng_on_entry = {d: _compat.device_rng_state(d) for d in records.input_move_devices}
+        if records.input_move_devices and _compat_recompute.checkpoint_preserves_rng_state(records.recompute_fn):
+            entry.device_rng_on_entry = {d: _compat_recompute.device_rng_state(d) for d in records.input_move_devices}
         frames.recompute = entry
         frames.stack.append(entry)
         switch.push()
@@ -133,7 +133,7 @@ def wrap_recompute_exit(fix: ReplayState, original: Callable) -> Callable:
                 # As fork_rng ends checkpoint's recomputation for the devices it knows.
                 for device, rng_state in entry.device_rng_on_entry.items():
                     if rng_state is not None:
-                        _compat.set_device_rng_state(device, rng_state)
+                        _compat_recompute.set_device_rng_state(device, rng_state)
         return original(hook, exc_type, exc_value, traceback)
 
     return __exit__
@@ -147,7 +147,7 @@ def wrap_pre_forward(fix: ReplayState, original: Callable) -> Callable:
     frames, frames_anywhere = fix.frames, fix.switch.frames_anywhere
     pre_backward = fix.internals.TrainingState.PRE_BACKWARD
     upstream_moves_inputs = fix.upstream_moves_inputs
-    input_moving: dict[torch.device, bool] = {}  # device -> _compat.moves_inputs_to(device), asked once each
+    input_moving: dict[torch.device, bool] = {}  # device -> _compat_recompute.moves_inputs_to(device), asked once each
 
     @wraps(original)
     def _pre_forward(state: Any, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -166,7 +166,7 @@ def wrap_pre_forward(fix: ReplayState, original: Callable) -> Callable:
         else:
             if context is not None:  # ran in the recomputed region's forward; its own backward has not begun
                 replay_root_claim(fix, recompute, state, module, context, (args, kwargs))
-            context = capture_autocast(state._device.type) if _compat.any_autocast_enabled() else PLAIN_FORWARD
+            context = capture_autocast(state._device.type) if _compat_recompute.any_autocast_enabled() else PLAIN_FORWARD
             claims_root = state._state_ctx.iter_forward_root is None
             inputs = (args, kwargs) if claims_root else None
             args, kwargs = original(state, module, args, kwargs)
@@ -174,7 +174,7 @@ def wrap_pre_forward(fix: ReplayState, original: Callable) -> Callable:
                 # Every forward of a block called directly is a root's: one dict read, not a call.
                 moves = input_moving.get(state._device)
                 if moves is None:
-                    moves = input_moving[state._device] = _compat.moves_inputs_to(state._device)
+                    moves = input_moving[state._device] = _compat_recompute.moves_inputs_to(state._device)
                 if moves:
                     context = record_input_move(
                         stack, recompute, context, state._device, inputs, upstream_moves_inputs
@@ -215,7 +215,7 @@ def wrap_post_forward(fix: ReplayState, original: Callable) -> Callable:
         for autocast in reversed(replay.autocast_contexts):
             autocast.__exit__(None, None, None)
         if replay.output_dtype is not None:
-            output = _compat.cast_floating_tensors(replay.output_dtype, output)
+            output = _compat_recompute.cast_floating_tensors(replay.output_dtype, output)
         return output
 
     return _post_forward
@@ -230,10 +230,10 @@ def replay_pre_forward(
     if context.moved_to is not None and not fix.upstream_moves_inputs:
         if recompute.device_rng_on_entry is not None:  # else: preserve_rng_state=False, nothing to restore
             replay_device_rng(recompute, module, context)
-        args, kwargs = _compat.move_inputs(args, kwargs, context.moved_to)
+        args, kwargs = _compat_recompute.move_inputs(args, kwargs, context.moved_to)
     if not fix.upstream_casts_inputs and policy.cast_forward_inputs and policy.param_dtype is not None:
-        args = _compat.cast_floating_tensors(policy.param_dtype, args)
-        kwargs = _compat.cast_floating_tensors(policy.param_dtype, kwargs)
+        args = _compat_recompute.cast_floating_tensors(policy.param_dtype, args)
+        kwargs = _compat_recompute.cast_floating_tensors(policy.param_dtype, kwargs)
     entered = ()
     if recompute.autocast_on_entry is not None:
         entered = tuple(enter_forward_autocast(
@@ -264,7 +264,7 @@ def replay_root_claim(
     if state._state_ctx.iter_forward_root is not None:
         return
     if context.moved_to is None:
-        if _compat.moves_inputs_to(state._device) and _compat.has_tensors_off(state._device, inputs):
+        if _compat_recompute.moves_inputs_to(state._device) and _compat_recompute.has_tensors_off(state._device, inputs):
             state._state_ctx.iter_forward_root = state
     elif recompute.device_rng_on_entry is not None and not fix.upstream_moves_inputs:
         replay_device_rng(recompute, module, context)
@@ -283,7 +283,7 @@ def replay_device_rng(recompute: RecomputeFrame, module: Any, context: ForwardCo
     differ from the forward's and nothing here can make them equal, so raise.
     """
     device, forward_state = context.moved_to, context.device_rng_state
-    current = _compat.device_rng_state(device)
+    current = _compat_recompute.device_rng_state(device)
     if current is None or forward_state is None:
         raise RuntimeError(
             f"torch_fsdp_ext: cannot read the RNG state of {device}, so the recomputation of a checkpointed "
@@ -293,7 +293,7 @@ def replay_device_rng(recompute: RecomputeFrame, module: Any, context: ForwardCo
     if torch.equal(current, forward_state):
         return
     if device not in recompute.device_rng_set and torch.equal(current, recompute.device_rng_on_entry[device]):
-        _compat.set_device_rng_state(device, forward_state)
+        _compat_recompute.set_device_rng_state(device, forward_state)
         recompute.device_rng_set.add(device)
         return
     raise RuntimeError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import _compat
+from .._compat import _recompute as _compat_recompute
 from ._frames import ActiveFrames
 from ._switch import HookSwitch
 
@@ -19,9 +20,9 @@ class ReplayState:
         self.frames = ActiveFrames()
         self.switch = HookSwitch()
         # What this release already replays by itself (probed once, cached).
-        self.upstream_casts_inputs = bool(_compat.probe_recompute_casts_inputs())
-        self.upstream_casts_outputs = bool(_compat.probe_recompute_casts_outputs())
-        self.upstream_moves_inputs = bool(_compat.probe_recompute_moves_inputs())
+        self.upstream_casts_inputs = bool(_compat_recompute.probe_recompute_casts_inputs())
+        self.upstream_casts_outputs = bool(_compat_recompute.probe_recompute_casts_outputs())
+        self.upstream_moves_inputs = bool(_compat_recompute.probe_recompute_moves_inputs())
         # Note: nothing to replay without an accelerator. Where this torch casts a recomputation's
         # inputs and outputs itself and the machine has no accelerator, every FSDP module computes on
         # the CPU: no root moves inputs (FSDP moves them onto an accelerator only), and the only
@@ -39,7 +40,7 @@ def accelerator_available() -> bool:
     Note: a CUDA build of torch names ``cuda`` as its accelerator on a machine without a GPU too;
     its ``is_available()`` tells. An accelerator without one is taken to be there.
     """
-    device_type = _compat.accelerator_device_type()
+    device_type = _compat_recompute.accelerator_device_type()
     if device_type is None:
         return False
     is_available = getattr(getattr(torch, device_type, None), "is_available", None)

@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _compat
+from .._compat import _reduce as _compat_reduce
 from .._patching import PatchSet, wraps
 
 
@@ -32,8 +33,8 @@ class FrozenFirstForward:
         self.active = False
 
     def needed(self) -> tuple[bool | None, str]:
-        drops = _compat.probe_frozen_first_forward_drops_reduce_dtype()
-        positions = _compat.foreach_reduce_argument_positions()
+        drops = _compat_reduce.probe_frozen_first_forward_drops_reduce_dtype()
+        positions = _compat_reduce.foreach_reduce_argument_positions()
         if drops is None or (drops and (positions is None or "orig_dtype" not in positions)):
             return None, "cannot tell how this torch resolves a frozen group's reduce dtype (its probe did not run)"
         if drops:
@@ -44,7 +45,7 @@ class FrozenFirstForward:
         return _compat.symbol_names(self.internals, ("fsdp_param_group_module.foreach_reduce",))
 
     def install(self, patches: PatchSet) -> None:
-        positions = _compat.foreach_reduce_argument_positions()
+        positions = _compat_reduce.foreach_reduce_argument_positions()
         if positions is None or "orig_dtype" not in positions:
             raise RuntimeError("torch's foreach_reduce has no orig_dtype/reduce_dtype arguments")
         wrap = functools.partial(wrap_foreach_reduce, self, positions["orig_dtype"], positions["reduce_dtype"])

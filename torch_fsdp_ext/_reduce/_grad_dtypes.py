@@ -8,6 +8,7 @@ import operator
 from typing import Any, Callable
 
 from .. import _compat
+from .._compat import _reduce as _compat_reduce
 from .._patching import PatchSet, wraps
 
 
@@ -29,7 +30,7 @@ class MixedGradDtypes:
         self.active = False
 
     def needed(self) -> tuple[bool | None, str]:
-        rejects = _compat.probe_reduce_rejects_mixed_grad_dtypes()
+        rejects = _compat_reduce.probe_reduce_rejects_mixed_grad_dtypes()
         if rejects is None:
             return None, "cannot tell whether foreach_reduce accepts gradients of two dtypes (its probe did not run)"
         if rejects:
@@ -40,7 +41,7 @@ class MixedGradDtypes:
         return _compat.symbol_names(self.internals, ("fsdp_param_group_module.foreach_reduce",))
 
     def install(self, patches: PatchSet) -> None:
-        positions = _compat.foreach_reduce_argument_positions()
+        positions = _compat_reduce.foreach_reduce_argument_positions()
         if positions is None:
             raise RuntimeError("torch's foreach_reduce has no unsharded_grads/reduce_dtype arguments")
         wrap = functools.partial(wrap_foreach_reduce, self, positions["unsharded_grads"], positions["reduce_dtype"])

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _compat
+from .._compat import _reduce as _compat_reduce
 from .._patching import PatchSet, wraps
 
 
@@ -34,7 +35,7 @@ class TPAllReduceInReduceDtype:
         self.active = False
 
     def needed(self) -> tuple[bool | None, str]:
-        dtype, why = _compat.probe_tp_grad_reduce_dtype()
+        dtype, why = _compat_reduce.probe_tp_grad_reduce_dtype()
         if dtype is None:
             return None, f"torch's internals changed ({why}); the TP all-reduce part stands aside"
         if dtype == torch.float32:
@@ -45,11 +46,11 @@ class TPAllReduceInReduceDtype:
         )
 
     def wrapped_symbols(self) -> list[str]:
-        return [_compat.tp_reduce_symbol_name()]
+        return [_compat_reduce.tp_reduce_symbol_name()]
 
     def install(self, patches: PatchSet) -> None:
         internals = _compat.load_internals()
-        patches.wrap(internals.FSDPParam, _compat.TP_REDUCE_METHOD[1], functools.partial(wrap_grad_inner_tensor, self))
+        patches.wrap(internals.FSDPParam, _compat_reduce.TP_REDUCE_METHOD[1], functools.partial(wrap_grad_inner_tensor, self))
         self.active = True
 
 
@@ -61,7 +62,7 @@ def wrap_grad_inner_tensor(part: TPAllReduceInReduceDtype, original: Callable) -
         # reduces in ``reduce_dtype``; bf16 -> fp32 is exact: each rank contributes what it did.
         if type(grad) is not torch.Tensor and part.active:
             reduce_dtype = fsdp_param.reduce_dtype
-            if reduce_dtype not in (None, grad.dtype) and _compat.reduces_outside_dp(fsdp_param, grad):
+            if reduce_dtype not in (None, grad.dtype) and _compat_reduce.reduces_outside_dp(fsdp_param, grad):
                 grad = grad.to(reduce_dtype)
         return original(fsdp_param, grad)
 
