@@ -325,6 +325,7 @@ class TestFreshInterpreter(TestCase):
             _compat_recompute.probe_recompute_moves_inputs = lambda: True
             _compat_reduce.probe_reduce_rejects_mixed_grad_dtypes = lambda: False
             _compat_reduce.probe_frozen_first_forward_drops_reduce_dtype = lambda: False
+            _compat_reduce.probe_tp_grad_reduce_dtype = lambda: (torch.float32, "")
             from torch_fsdp_ext._report import plugin_does
             dtype = torch_fsdp_ext.status().fixes["dtype"]
             print(torch_fsdp_ext.install(), dtype.reason)

@@ -56,10 +56,14 @@ class ReduceFix:
 
     def needed(self) -> tuple[bool | None, str]:
         answers = [(part, *part.needed()) for part in self.parts]
-        for wanted in (True, None):
-            reasons = [f"{part.name}: {reason}" for part, needed, reason in answers if needed is wanted]
-            if reasons:
-                return wanted, "; ".join(reasons)
+        # Note: status prints "reduce: needed, because <reason>." and then which parts the plugin fixes;
+        # a needed part is named with its short cause, a part that cannot tell says why in full.
+        needed = [f"{part.name} ({reason})" for part, answer, reason in answers if answer is True]
+        if needed:
+            return True, ", ".join(needed)
+        unknown = [f"{part.name}: {reason}" for part, answer, reason in answers if answer is None]
+        if unknown:
+            return None, "; ".join(unknown)
         return False, "this torch reduces each of these cases in the reduce dtype itself"
 
     def parts_status(self) -> dict[str, str]:

@@ -38,7 +38,7 @@ class FrozenFirstForward:
         if drops is None or (drops and (positions is None or "orig_dtype" not in positions)):
             return None, "cannot tell how this torch resolves a frozen group's reduce dtype (its probe did not run)"
         if drops:
-            return True, "a group frozen at its first forward gets no reduce dtype (pytorch#186998)"
+            return True, "pytorch#186998"
         return False, "_init_mp_dtypes resolves a frozen group's reduce dtype from its parameters (pytorch#187376)"
 
     def wrapped_symbols(self) -> list[str]:

@@ -34,7 +34,7 @@ class MixedGradDtypes:
         if rejects is None:
             return None, "cannot tell whether foreach_reduce accepts gradients of two dtypes (its probe did not run)"
         if rejects:
-            return True, "foreach_reduce asserts one gradient dtype (pytorch#196996)"
+            return True, "pytorch#196996"
         return False, "foreach_reduce brings gradients of several dtypes to the reduce dtype itself"
 
     def wrapped_symbols(self) -> list[str]:

@@ -40,10 +40,7 @@ class TPAllReduceInReduceDtype:
             return None, f"torch's internals changed ({why}); the TP all-reduce part stands aside"
         if dtype == torch.float32:
             return False, "this torch all-reduces a TP-replicated parameter's gradient in reduce_dtype"
-        return True, (
-            "this torch all-reduces a TP-replicated parameter's gradient in param_dtype, not reduce_dtype "
-            "(pytorch#190626)"
-        )
+        return True, "in param_dtype, pytorch#190626"
 
     def wrapped_symbols(self) -> list[str]:
         return [_compat_reduce.tp_reduce_symbol_name()]
