@@ -31,6 +31,7 @@ from torch_fsdp_ext._compat import _dtype as _compat_dtype
 
 from common import (
     HAS_DTYPE_BUG,
+    HAS_GRAD_DTYPES_BUG,
     ROOT,
     FSDPExtTestCase,
     MixedPrecisionPolicy,
@@ -258,10 +259,13 @@ Fix: move `import torch_fsdp_ext` before fully_shard and before loading the mode
         group_cls = _compat.load_internals().FSDPParamGroup
         reduce_module = _compat.load_internals().fsdp_param_group_module
         wraps_reduce = not _compat_dtype.probe_reduce_casts_grads_per_param()  # releases up to 2.14
-        original_foreach_reduce = reduce_module.foreach_reduce
+        # torch's own, behind the reduce fix's wrapper that the plugin installed at import where torch needs it
+        original_foreach_reduce = _compat.torch_own(reduce_module.foreach_reduce, "foreach_reduce")
         with plugin(True, **PRESERVE):
             original_init_mp_dtypes = group_cls._init_mp_dtypes.__wrapped__
-            self.assertIs(reduce_module.foreach_reduce, original_foreach_reduce)  # wrapped once a group stays mixed
+            # The reduce fix's wrapper where this torch needs it; the dtype fix wraps once a group stays mixed.
+            installed_foreach_reduce = reduce_module.foreach_reduce
+            self.assertEqual(installed_foreach_reduce is not original_foreach_reduce, HAS_GRAD_DTYPES_BUG)
             reference = shard_model(mixed_llama(), mp_policy=MP)
             reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
             expected = train_steps(reference, reference_optimizer, self.rank, range(3))
@@ -270,7 +274,7 @@ Fix: move `import torch_fsdp_ext` before fully_shard and before loading the mode
             model = shard_model(mixed_llama(), mp_policy=MP)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             losses = train_steps(model, optimizer, self.rank, range(1))
-            self.assertEqual(reduce_module.foreach_reduce is not original_foreach_reduce, wraps_reduce)
+            self.assertEqual(reduce_module.foreach_reduce is not installed_foreach_reduce, wraps_reduce)
             torch_fsdp_ext.uninstall()
             self.assertFalse(torch_fsdp_ext.status().fixes["dtype"].active)
             model.layers[1].unshard()
