@@ -330,7 +330,9 @@ class TestReduceFixInstall(TestCase):
             self.assertEqual(active, ["reduce"])
             self.assertTrue(fix.active)
             self.assertIsNot(module.foreach_reduce, original)
-            self.assertEqual(fix.wraps, [f"{module.__name__}.foreach_reduce", _compat_reduce.tp_reduce_symbol_name()])
+            group_cls = _compat.load_internals().FSDPParamGroup
+            lazy_init = f"{group_cls.__module__}.{group_cls.__qualname__}.lazy_init"
+            self.assertEqual(fix.wraps, [f"{module.__name__}.foreach_reduce", lazy_init])
         else:  # 2.15: nothing installed, nothing patched
             self.assertEqual(active, [])
             self.assertFalse(fix.active)

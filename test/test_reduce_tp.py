@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch.testing._internal.common_utils import TestCase, run_tests
 
+import torch_fsdp_ext
 from torch_fsdp_ext import _compat
 from torch_fsdp_ext._compat import _reduce as _compat_reduce
 from torch_fsdp_ext._patching import PatchSet
@@ -99,6 +100,15 @@ def tp_mesh_and_model() -> tuple[object, TPBlock]:
     return mesh, model
 
 
+def fsdp_params_of(module: nn.Module) -> list:
+    return [p for group in _compat.param_groups_of(_compat.fsdp_state_of(module)) for p in group.fsdp_params]
+
+
+def has_instance_method(fsdp_param) -> bool:
+    """Whether the TP part gave ``fsdp_param`` its own ``_get_grad_inner_tensor`` (Note [TP parameters only])."""
+    return _compat_reduce.TP_REDUCE_METHOD[1] in vars(fsdp_param)
+
+
 def local_batch(tp_rank: int, step: int) -> torch.Tensor:
     """This rank's half of the sequence (SequenceParallel takes a plain input as the local shard)."""
     full = torch.randn(2, 8, DIM, generator=torch.Generator().manual_seed(step))
@@ -113,8 +123,8 @@ def local_loss(model: TPBlock, x: torch.Tensor) -> torch.Tensor:
 class TPReduceTest(FSDPExtTestCase):
     WORLD_SIZE = 2
 
-    def witness_grad(self, spmd_mesh: bool = False) -> torch.Tensor:
-        """The norm-weight gradient after one backward whose TP contributions are ``CONTRIBUTIONS``.
+    def witness_norm(self, spmd_mesh: bool = False) -> tuple[nn.Module, torch.Tensor]:
+        """A TP-replicated norm under ``fully_shard`` and its input, for ``witness_backward``.
 
         ``spmd_mesh``: the weight is a DTensor on the whole (dp, tp) mesh and ``fully_shard`` is
         told its dp dim (``DataParallelMeshDims``) instead of getting the dp sub-mesh.
@@ -135,11 +145,19 @@ class TPReduceTest(FSDPExtTestCase):
         else:
             parallelize_module(norm, mesh["tp"], SequenceParallel())
             fully_shard(norm, mesh=mesh["dp"], mp_policy=BF16)
+        return norm, x
+
+    def witness_backward(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The norm-weight gradient after one backward whose TP contributions are ``CONTRIBUTIONS``."""
+        norm.weight.grad = None
         out = norm(x).to_local()
         (out.float() * CONTRIBUTIONS[self.rank]).sum().backward()
         grad = norm.weight.grad
         self.assertEqual(grad.dtype, torch.float32)
         return grad.full_tensor()
+
+    def witness_grad(self, spmd_mesh: bool = False) -> torch.Tensor:
+        return self.witness_backward(*self.witness_norm(spmd_mesh))
 
     def train(self, steps: int, reference: bool) -> tuple[list[float], list[torch.Tensor]]:
         """AdamW steps; the local losses and the updated parameters.
@@ -191,6 +209,33 @@ class TPReduceTest(FSDPExtTestCase):
             grad = self.witness_grad()
         expected = SUM_BF16 if TORCH_REDUCES_TP_IN_BF16 else SUM_FP32
         self.assertEqual(grad, torch.full((DIM,), expected), atol=0, rtol=0)
+
+    @needs_tp_bug
+    def test_witness_installed_after_first_backward(self) -> None:
+        """A model whose groups ran their lazy init before the plugin was installed gets the cast at install."""
+        with plugin(False):
+            norm, x = self.witness_norm()
+            self.assertEqual(self.witness_backward(norm, x), torch.full((DIM,), SUM_BF16), atol=0, rtol=0)
+            with tp_reduce_fix():
+                self.assertEqual(self.witness_backward(norm, x), torch.full((DIM,), SUM_FP32), atol=0, rtol=0)
+            # uninstall() takes the cast away again: torch's own reduce, in bf16
+            self.assertEqual(self.witness_backward(norm, x), torch.full((DIM,), SUM_BF16), atol=0, rtol=0)
+
+    @needs_tp_bug
+    def test_only_dtensor_parameters_get_the_cast(self) -> None:
+        """Note [TP parameters only]: a plain parameter keeps torch's method; uninstall() removes every attribute."""
+        with tp_reduce_fix():
+            norm, x = self.witness_norm()
+            plain = nn.Linear(DIM, DIM)
+            fully_shard(plain, mp_policy=BF16)
+            plain(torch.randn(2, DIM)).sum().backward()
+            self.witness_backward(norm, x)
+            tp_params = [p for p in fsdp_params_of(norm)]
+            plain_params = [p for p in fsdp_params_of(plain)]
+            self.assertEqual([p.is_dtensor for p in tp_params + plain_params], [True, False, False])
+            self.assertEqual([has_instance_method(p) for p in tp_params + plain_params], [True, False, False])
+            torch_fsdp_ext.uninstall()
+            self.assertEqual([has_instance_method(p) for p in tp_params], [False])
 
     # -- unused parameters -----------------------------------------------------
 
@@ -274,18 +319,20 @@ class TPReducePatchTest(TestCase):
 
     def owners(self) -> list[tuple[object, str]]:
         internals = _compat.load_internals()
-        return [(internals.FSDPParam, _compat_reduce.TP_REDUCE_METHOD[1])]
+        return [(internals.FSDPParamGroup, "lazy_init")]
 
     def test_install_restores_originals(self) -> None:
-        part = TPAllReduceInReduceDtype()
+        part = TPAllReduceInReduceDtype(_compat.load_internals())
         with plugin(False):
             before = [owner.__dict__.get(name) for owner, name in self.owners()]
+            method = _compat_reduce.grad_inner_tensor_method()
             patches = PatchSet()
             if part.needed()[0]:
                 part.install(patches)
                 during = [owner.__dict__.get(name) for owner, name in self.owners()]
                 self.assertTrue(all(d is not b for d, b in zip(during, before)), part.wrapped_symbols())
-                # The probe reads torch's function behind the plugin's wrapper.
+                # Note [TP parameters only]: the class's method stays torch's.
+                self.assertIs(_compat_reduce.grad_inner_tensor_method(), method)
                 _compat_reduce.probe_tp_grad_reduce_dtype.cache_clear()
                 self.assertIs(part.needed()[0], True)
             patches.restore()
@@ -293,13 +340,13 @@ class TPReducePatchTest(TestCase):
         self.assertTrue(all(a is b for a, b in zip(after, before)))
 
     def test_needed_where_torch_reduces_in_bf16(self) -> None:
-        needed, why = TPAllReduceInReduceDtype().needed()
+        needed, why = TPAllReduceInReduceDtype(_compat.load_internals()).needed()
         self.assertEqual(needed, TORCH_REDUCES_TP_IN_BF16, why)
 
     @needs_tp_bug
     def test_probe_sees_a_cast_before_the_redistribute(self) -> None:
         """PR #190627's change (an upcast at the top of ``_get_grad_inner_tensor``), applied as a stand-in."""
-        owner, name = self.owners()[0]
+        owner, name = _compat.load_internals().FSDPParam, _compat_reduce.TP_REDUCE_METHOD[1]
         original = getattr(owner, name)
 
         def casting(fsdp_param, grad):
@@ -309,7 +356,7 @@ class TPReducePatchTest(TestCase):
 
     @needs_tp_bug
     def test_probe_stands_aside_where_internals_changed(self) -> None:
-        owner, name = self.owners()[0]
+        owner, name = _compat.load_internals().FSDPParam, _compat_reduce.TP_REDUCE_METHOD[1]
         self.assertIsNone(self.needed_with(owner, name, lambda fsdp_param, grad: grad))
 
     def needed_with(self, owner: object, name: str, replacement) -> bool | None:
@@ -317,7 +364,7 @@ class TPReducePatchTest(TestCase):
         patches.wrap(owner, name, lambda original: replacement)
         _compat_reduce.probe_tp_grad_reduce_dtype.cache_clear()
         try:
-            return TPAllReduceInReduceDtype().needed()[0]
+            return TPAllReduceInReduceDtype(_compat.load_internals()).needed()[0]
         finally:
             patches.restore()
             _compat_reduce.probe_tp_grad_reduce_dtype.cache_clear()

@@ -91,11 +91,11 @@ class TestTools(TestCase):
         result = run_tool("tools/bench_instructions.py", "--bytecodes", "--layout", "direct")
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         without, with_checkpoint = result.stdout.split("\nper-block checkpoint\n")
-        # Where the reduce fix is installed (up to 2.14), its wrappers run in every step: each foreach_reduce
-        # wrapper once per group reduce (8 groups) and the TP part's check once per parameter (16); nothing
-        # else of the plugin runs without checkpointing, and nothing at all where torch reduces by itself.
-        reduce_calls = {"_grad_dtypes.py:foreach_reduce": 8, "_frozen_first_forward.py:foreach_reduce": 8,
-                        "_tp.py:_get_grad_inner_tensor": 16}
+        # Where the reduce fix is installed (up to 2.14), its one foreach_reduce wrapper runs once per group
+        # reduce (8 groups) in every step (Note [One reduce wrapper]), and no plugin code per parameter: the TP
+        # part's cast is a DTensor parameter's own attribute (Note [TP parameters only]). Nothing else of the
+        # plugin runs without checkpointing, and nothing at all where torch reduces by itself.
+        reduce_calls = {"_foreach_reduce.py:foreach_reduce": 8}
         calls = {name: int(count) for name, _, count in re.findall(r"^\s*(\S+)\s+(\d+)\s+(\d+)$", without, re.M)
                  if name != "total"}
         if HAS_GRAD_DTYPES_BUG:

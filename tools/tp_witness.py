@@ -55,7 +55,7 @@ def run(rank: int, port: int) -> None:
 
     torch_fsdp_ext.uninstall()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    part, patches = TPAllReduceInReduceDtype(), PatchSet()
+    part, patches = TPAllReduceInReduceDtype(_compat.load_internals()), PatchSet()
     needed, why = part.needed()
     without = reduced_grad(rank)
     if needed:

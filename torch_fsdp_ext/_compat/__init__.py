@@ -72,6 +72,7 @@ WRAPPED_METHODS: tuple[tuple[str, str], ...] = (
     ("FSDPParamGroup", "__init__"),
     ("FSDPParamGroup", "_init_mp_dtypes"),
     ("FSDPParamGroup", "post_backward"),
+    ("FSDPParamGroup", "lazy_init"),
     ("FSDPParam", "to_sharded_dtensor"),
     ("fsdp_param_group_module", "foreach_reduce"),
     ("FSDPState", "init"),

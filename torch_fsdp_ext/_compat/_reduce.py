@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import TorchInternals, function_origin, load_internals, torch_own
+from . import TorchInternals, load_internals, torch_own
 from ._dtype import _ProbeParam
 
 # Note: every part of the reduce fix wraps ``foreach_reduce`` as ``FSDPParamGroup.post_backward``
@@ -74,8 +74,9 @@ def _copy_in_of(grads: list[torch.Tensor]) -> torch.Tensor | None | bool:
     required = [n for n, p in parameters.items() if p.default is inspect.Parameter.empty and p.kind != p.VAR_KEYWORD]
     if any(name not in known for name in required):
         return None
-    # Note: torch's assertion prints the rank to stdout first (``_raise_assert_with_print``).
-    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+    # Note: torch's assertion prints the rank to stdout and a stack trace to stderr first
+    # (``_raise_assert_with_print``): the probe's expected refusal must not reach a user's log.
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
         try:
             foreach_reduce(**{name: value for name, value in known.items() if name in parameters})
         except _ProbeStop:
@@ -147,12 +148,10 @@ TP_REDUCE_METHOD = ("FSDPParam", "_get_grad_inner_tensor")
 
 
 def grad_inner_tensor_method() -> Callable | None:
-    """``FSDPParam._get_grad_inner_tensor`` as FSDP calls it without the plugin's wrapper; None where missing."""
-    owner = load_internals().symbols.get(TP_REDUCE_METHOD[0])
-    method = getattr(owner, TP_REDUCE_METHOD[1], None)
-    if not callable(method):
-        return None
-    return inspect.unwrap(method, stop=lambda fn: function_origin(fn) != "torch_fsdp_ext")
+    """``FSDPParam._get_grad_inner_tensor`` as the class holds it; None where missing. (The plugin never wraps
+    it on the class: the TP part gives DTensor parameters an instance attribute instead.)"""
+    method = getattr(load_internals().symbols.get(TP_REDUCE_METHOD[0]), TP_REDUCE_METHOD[1], None)
+    return method if callable(method) else None
 
 
 def tp_reduce_symbol_name() -> str:

@@ -24,6 +24,7 @@ interface), one concern per module, each importing only those listed before it:
 - ``_grad_dtypes``: the part that brings a group's gradients to the reduce dtype before the copy-in;
 - ``_frozen_first_forward``: the part that resolves a group's dtypes when its first forward ran frozen;
 - ``_tp``: the part that all-reduces a TP-replicated parameter's gradient in the reduce dtype;
+- ``_foreach_reduce``: the one wrapper of ``foreach_reduce`` in which the first two parts run;
 - ``_fix``: the fix's interface, which decides and installs the parts (``ReduceFix``).
 """
 

@@ -8,21 +8,25 @@ gradient reduction that a torch release has or has not. A part is an object with
 - ``needed() -> tuple[bool | None, str]``: whether this torch has the failure, by a behaviour
   probe in ``_compat`` (None: the probe could not tell, and the part stands aside), and why;
 - ``install(patches: PatchSet) -> None``: wraps what it needs through ``patches`` and sets
-  ``active`` (raising rolls back the whole fix);
+  ``active`` (raising rolls back the whole fix); the parts that repair ``foreach_reduce``'s
+  arguments wrap nothing themselves: the fix wraps it once for them (Note [One reduce wrapper]);
 - ``active: bool``: cleared by ``uninstall()`` before the patches are restored, so that a
   wrapper still called (held by another library's wrapper put over it) passes straight through;
 - ``wrapped_symbols() -> list[str]``: the torch functions it wraps, for ``status()``.
 
-The fix is needed where any part is, and installs the parts that are. Parts that wrap one
-function are installed in tuple order, so a later part's wrapper runs first. A part may need
+The fix is needed where any part is, and installs the parts that are. A part may need
 another one installed with it (``installs_with``): the TP part leaves a group with gradients
 of two dtypes, which the mixed-gradient part reduces.
 """
 
 from __future__ import annotations
 
+import functools
+
 from .. import _compat
+from .._compat import _reduce as _compat_reduce
 from .._patching import PatchSet
+from ._foreach_reduce import wrap_foreach_reduce
 from ._frozen_first_forward import FrozenFirstForward
 from ._grad_dtypes import MixedGradDtypes
 from ._tp import TPAllReduceInReduceDtype
@@ -36,11 +40,10 @@ class ReduceFix:
 
     def __init__(self, internals: _compat.TorchInternals) -> None:
         self.internals = internals
-        # Note: the frozen-first-forward part comes last, so that its wrapper resolves a
-        # group's reduce dtype before the mixed-dtype part reads it.
-        mixed_grad_dtypes = MixedGradDtypes(internals)
-        self.parts = (mixed_grad_dtypes, FrozenFirstForward(internals), TPAllReduceInReduceDtype())
-        self.installs_with = {self.parts[2]: mixed_grad_dtypes}
+        self.mixed_grad_dtypes = MixedGradDtypes(internals)
+        self.frozen_first_forward = FrozenFirstForward(internals)
+        self.parts = (self.mixed_grad_dtypes, self.frozen_first_forward, TPAllReduceInReduceDtype(internals))
+        self.installs_with = {self.parts[2]: self.mixed_grad_dtypes}
         self._active = False
 
     @property
@@ -81,6 +84,15 @@ class ReduceFix:
         return list(dict.fromkeys(names))
 
     def install(self, patches: PatchSet) -> None:
-        for part in self.parts_to_install():
+        parts = self.parts_to_install()
+        for part in parts:
             part.install(patches)
+        frozen = self.frozen_first_forward if self.frozen_first_forward in parts else None
+        mixed = self.mixed_grad_dtypes if self.mixed_grad_dtypes in parts else None
+        if frozen is not None or mixed is not None:
+            positions = _compat_reduce.foreach_reduce_argument_positions()
+            if positions is None:
+                raise RuntimeError("torch's foreach_reduce has no unsharded_grads/reduce_dtype arguments")
+            wrap = functools.partial(wrap_foreach_reduce, frozen, mixed, positions)
+            patches.wrap(self.internals.fsdp_param_group_module, "foreach_reduce", wrap)
         self._active = True

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from .. import _compat
 from .._compat import _reduce as _compat_reduce
-from .._patching import PatchSet, wraps
+from .._patching import PatchSet
 
 
 class FrozenFirstForward:
@@ -45,11 +44,7 @@ class FrozenFirstForward:
         return _compat.symbol_names(self.internals, ("fsdp_param_group_module.foreach_reduce",))
 
     def install(self, patches: PatchSet) -> None:
-        positions = _compat_reduce.foreach_reduce_argument_positions()
-        if positions is None or "orig_dtype" not in positions:
-            raise RuntimeError("torch's foreach_reduce has no orig_dtype/reduce_dtype arguments")
-        wrap = functools.partial(wrap_foreach_reduce, self, positions["orig_dtype"], positions["reduce_dtype"])
-        patches.wrap(self.internals.fsdp_param_group_module, "foreach_reduce", wrap)
+        # Note [One reduce wrapper]: the fix wraps foreach_reduce once for its parts.
         self.active = True
 
 
@@ -63,20 +58,16 @@ def group_dtypes(fsdp_params: list[Any]) -> tuple[torch.dtype, torch.dtype | Non
     return next(iter(orig_dtypes)), next(iter(reduce_dtypes))
 
 
-def wrap_foreach_reduce(part: FrozenFirstForward, orig_at: int, reduce_at: int, original: Callable) -> Callable:
-    @wraps(original)
-    def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
-        positional = len(args) > orig_at
-        orig_dtype = args[orig_at] if len(args) > orig_at else kwargs.get("orig_dtype")
-        if orig_dtype is None and part.active:
-            resolved = group_dtypes(args[0] if args else kwargs["fsdp_params"])
-            if resolved is not None:
-                args = list(args)
-                for at, name, dtype in ((orig_at, "orig_dtype", resolved[0]), (reduce_at, "reduce_dtype", resolved[1])):
-                    if len(args) > at:
-                        args[at] = dtype
-                    else:
-                        kwargs[name] = dtype
-        return original(*args, **kwargs)
-
-    return foreach_reduce
+def with_group_dtypes(args: tuple, kwargs: dict[str, Any], orig_at: int, reduce_at: int) -> tuple:
+    """``foreach_reduce``'s arguments with the group's resolved original and reduce dtypes, where they resolve:
+    the positional ones returned, the keyword ones set in ``kwargs``."""
+    resolved = group_dtypes(args[0] if args else kwargs["fsdp_params"])
+    if resolved is None:
+        return args
+    args = list(args)
+    for at, name, dtype in ((orig_at, "orig_dtype", resolved[0]), (reduce_at, "reduce_dtype", resolved[1])):
+        if len(args) > at:
+            args[at] = dtype
+        else:
+            kwargs[name] = dtype
+    return tuple(args)

@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import functools
-import operator
-from typing import Any, Callable
+import torch
 
 from .. import _compat
 from .._compat import _reduce as _compat_reduce
-from .._patching import PatchSet, wraps
+from .._patching import PatchSet
 
 
 class MixedGradDtypes:
@@ -41,27 +39,10 @@ class MixedGradDtypes:
         return _compat.symbol_names(self.internals, ("fsdp_param_group_module.foreach_reduce",))
 
     def install(self, patches: PatchSet) -> None:
-        positions = _compat_reduce.foreach_reduce_argument_positions()
-        if positions is None:
-            raise RuntimeError("torch's foreach_reduce has no unsharded_grads/reduce_dtype arguments")
-        wrap = functools.partial(wrap_foreach_reduce, self, positions["unsharded_grads"], positions["reduce_dtype"])
-        patches.wrap(self.internals.fsdp_param_group_module, "foreach_reduce", wrap)
+        # Note [One reduce wrapper]: the fix wraps foreach_reduce once for its parts.
         self.active = True
 
 
-_dtype_of = operator.attrgetter("dtype")
-
-
-def wrap_foreach_reduce(part: MixedGradDtypes, grads_at: int, reduce_at: int, original: Callable) -> Callable:
-    @wraps(original)
-    def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
-        grads = args[grads_at] if len(args) > grads_at else kwargs["unsharded_grads"]
-        # Note: map/set iterate in C: no Python bytecode per gradient on the path that finds one dtype.
-        if len(set(map(_dtype_of, grads))) > 1 and part.active:
-            reduce_dtype = args[reduce_at] if len(args) > reduce_at else kwargs.get("reduce_dtype")
-            # Note: without a reduce dtype torch's own check (or the dtype fix's mixed groups) decides.
-            if reduce_dtype is not None:
-                grads[:] = [grad.to(reduce_dtype) for grad in grads]  # the list owns the gradients
-        return original(*args, **kwargs)
-
-    return foreach_reduce
+def to_reduce_dtype(grads: list[torch.Tensor], reduce_dtype: torch.dtype) -> None:
+    """Cast a group's gradients of several dtypes to ``reduce_dtype``, in the list FSDP reduces."""
+    grads[:] = [grad.to(reduce_dtype) for grad in grads]  # the list owns the gradients
