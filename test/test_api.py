@@ -72,15 +72,17 @@ class TestInstallUninstall(TestCase):
         changed = [key for key in pristine if patched[key] is not pristine[key]]
         # Every wrapped method but the reduce path of mixed groups (wrapped while such a group
         # lives, test_lifecycle), post_backward (wrapped while a frozen parameter is watched,
-        # test_orders) and, where torch's decorator calls them through a cell, FSDP's
-        # pre/post-forward (switched only while a checkpoint region runs); the recompute fix alone wraps 8.
-        # The dtype fix also wraps Optimizer.add_param_group and three state-dict entry points.
-        # The reduce fix wraps foreach_reduce where this torch needs it.
+        # test_orders), the param group's lazy_init (the reduce fix's alone) and, where torch's
+        # decorator calls them through a cell, FSDP's pre/post-forward (switched only while a
+        # checkpoint region runs); the recompute fix alone wraps 8. The dtype fix also wraps
+        # Optimizer.add_param_group and three state-dict entry points. The reduce fix wraps
+        # foreach_reduce and the param group's lazy_init where this torch needs it.
         switched = 2 if torch_fsdp_ext._install._active["recompute"][0].switches_hooks else 0
         outside = 1 + len(_compat.state_dict_entry_points())
         self.assertEqual(outside, 4)
-        reduce_wraps = 1 if "reduce" in torch_fsdp_ext._install._active else 0
-        expected = (len(_compat.WRAPPED_METHODS) - 3 + outside if HAS_DTYPE_BUG else 8) - switched + reduce_wraps
+        reduce_wraps = len(torch_fsdp_ext.status().fixes["reduce"].wraps)
+        self.assertEqual(reduce_wraps, 2 if "reduce" in torch_fsdp_ext._install._active else 0)
+        expected = (len(_compat.WRAPPED_METHODS) - 4 + outside if HAS_DTYPE_BUG else 8) - switched + reduce_wraps
         self.assertEqual(len(changed), expected)
         for _ in range(1000):
             torch_fsdp_ext.install()

@@ -32,9 +32,13 @@ class FrozenFirstForward:
         self.active = False
 
     def needed(self) -> tuple[bool | None, str]:
-        drops = _compat_reduce.probe_frozen_first_forward_drops_reduce_dtype()
         positions = _compat_reduce.foreach_reduce_argument_positions()
-        if drops is None or (drops and (positions is None or "orig_dtype" not in positions)):
+        if positions is not None and "orig_dtype" not in positions:
+            # Note: 2.15 dropped the argument this part resolves, after 2.14 fixed the failure
+            # (pytorch#187376); a release in that form needs no probe of ``_init_mp_dtypes``.
+            return False, "foreach_reduce takes no orig_dtype: the form of releases after pytorch#187376"
+        drops = _compat_reduce.probe_frozen_first_forward_drops_reduce_dtype()
+        if drops is None or (drops and positions is None):
             return None, "cannot tell how this torch resolves a frozen group's reduce dtype (its probe did not run)"
         if drops:
             return True, "pytorch#186998"
