@@ -5,6 +5,7 @@
     python tools/bench_instructions.py --world 1 --no-aa --no-breakdown --no-mixed   # the four counts of world 1
     python tools/bench_instructions.py --functions 25 # also the C functions whose counts the plugin changes most
     python tools/bench_instructions.py --quick        # CI form: world 1, no checkpoint, 2 steps, 3 shifts; bound
+    python tools/bench_instructions.py --quick --reduce-dtype float32   # the same with reduce_dtype=fp32
     python tools/bench_instructions.py --bytecodes    # no valgrind, seconds: the plugin's Python bytecodes per step
     python tools/bench_instructions.py --layout roots # each checkpointed block is called directly, its own root
     python tools/bench_instructions.py --layout direct --world 1 --no-mixed   # the same under a sharded Stack that
@@ -79,6 +80,7 @@ PLAN_ENV = "TORCH_FSDP_EXT_INSTRUCTION_PLAN"
 # Blocks under a sharded root; each block its own root; each its own root under a sharded Stack that never runs.
 LAYOUTS = ("stack", "roots", "direct")
 layout = "stack"  # of the configurations main() counts
+reduce_dtype: str | None = None  # the policy's reduce_dtype, a torch dtype's name (--reduce-dtype)
 SPEC_LENGTH = 512
 
 # Wrapper groups the breakdown bypasses one at a time: (fix, torch attributes it wraps).
@@ -138,7 +140,8 @@ class Bypass:
 def build(config: dict) -> torch.nn.Module:
     """The configuration's model, sharded with the plugin in the state named by ``config["built"]``."""
     api = fsdp2_api()
-    policy = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    reduce = config.get("reduce_dtype")
+    policy = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce) if reduce else None)
     switch(config["built"])
     torch.manual_seed(0)
     model = Stack(BLOCKS, checkpointed=config["checkpoint"])
@@ -281,7 +284,7 @@ def config(checkpoint: bool, plugin: str | None, model: str = "plain", bypass: s
            built: str | None = None) -> dict:
     """What one count runs: ``model`` sharded with the plugin in state ``built``, run in state ``plugin``."""
     return {"checkpoint": checkpoint, "plugin": plugin, "model": model, "bypass": bypass, "built": built,
-            "layout": layout}
+            "layout": layout, "reduce_dtype": reduce_dtype}
 
 
 def forwards_per_step(checkpoint: bool) -> int:
@@ -352,9 +355,12 @@ def main() -> int:
     parser.add_argument("--layout", choices=LAYOUTS, default="stack",
                         help="stack: blocks under a sharded root (default); roots: each block its own root; direct: "
                         "each block its own root, called by the step, under a sharded Stack that never runs")
+    parser.add_argument("--reduce-dtype", choices=["float32"],
+                        help="the policy's reduce_dtype (default: none, FSDP reduces in param_dtype); with float32 the "
+                        "reduce fix, where installed, reads each gradient's dtype in every group reduce")
     args = parser.parse_args()
-    global layout
-    layout = args.layout
+    global layout, reduce_dtype
+    layout, reduce_dtype = args.layout, args.reduce_dtype
     if args.bytecodes:
         print(f"torch {torch.__version__}: the plugin's Python bytecodes in one step, {BLOCKS} blocks, world size 1, "
               f"layout {layout}")
@@ -377,7 +383,7 @@ def main() -> int:
     print(f"{BLOCKS} blocks of Linear(32, 32), each fully_shard-ed, "
           + {"stack": "+ root", "roots": "each its own root (no root fully_shard)",
              "direct": "each its own root, called by the step (the fully_shard-ed Stack never runs)"}[layout]
-          + "; param_dtype=bf16; "
+          + "; param_dtype=bf16" + (f", reduce_dtype={reduce_dtype}" if reduce_dtype else "") + "; "
           f"instructions of {steps} steps (forward + backward) per configuration, one callgrind process each")
     shifts = 1 if args.no_aa else 3 if args.quick else 2
     ok = True
