@@ -78,6 +78,13 @@ class FSDPExtTestCase(MultiProcessTestCase):
         method = "spawn" if use_nccl(self.world_size) else "fork"
         self._start_processes(torch.multiprocessing.get_context(method).Process)
 
+    def tearDown(self) -> None:
+        super().tearDown()
+        # MultiProcessTestCase leaves its rendezvous file in the temp dir (only torch's
+        # DistributedTestBase removes it): one file a test, thousands a suite.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.file_name)
+
     @property
     def device(self) -> torch.device:
         return torch.device("cuda", self.rank) if use_nccl(self.world_size) else torch.device("cpu")
