@@ -32,7 +32,6 @@ from common import (
     needs_dtype_fix, plugin, plugin_specific, seed_000_model, shard_model,
 )
 from torch_fsdp_ext import _compat
-from torch_fsdp_ext._compat import _reduce as _compat_reduce
 
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 LR = 0.1
