@@ -45,7 +45,9 @@ class TPAllReduceInReduceDtype:
     def __init__(self, internals: _compat.TorchInternals) -> None:
         self.internals = internals
         self.active = False
-        self._attached: weakref.WeakSet = weakref.WeakSet()  # FSDPParams with the instance attribute
+        # Groups whose DTensor parameters have the instance attribute: FSDPModule.unshard() runs a
+        # group's lazy_init on every call, which then costs one lookup, not a walk of its parameters.
+        self._attached: weakref.WeakSet = weakref.WeakSet()
         self._lock = threading.Lock()  # ranks may run as threads in one process
 
     def needed(self) -> tuple[bool | None, str]:
@@ -69,19 +71,22 @@ class TPAllReduceInReduceDtype:
 
     def attach(self, group: Any) -> None:
         """Give ``group``'s DTensor parameters the casting ``_get_grad_inner_tensor`` (Note [TP parameters only])."""
+        if group in self._attached:
+            return
         with self._lock:
             for fsdp_param in group.fsdp_params:
-                if getattr(fsdp_param, "is_dtensor", False) and fsdp_param not in self._attached:
+                if getattr(fsdp_param, "is_dtensor", False):
                     setattr(fsdp_param, _METHOD, functools.partial(grad_inner_tensor_in_reduce_dtype, self,
                                                                    weakref.ref(fsdp_param)))
-                    self._attached.add(fsdp_param)
+            self._attached.add(group)
 
     def detach_all(self) -> None:
         with self._lock:
-            for fsdp_param in list(self._attached):
-                method = getattr(fsdp_param, _METHOD, None)
-                if isinstance(method, functools.partial) and method.func is grad_inner_tensor_in_reduce_dtype:
-                    delattr(fsdp_param, _METHOD)
+            for group in list(self._attached):
+                for fsdp_param in group.fsdp_params:
+                    method = getattr(fsdp_param, _METHOD, None)
+                    if isinstance(method, functools.partial) and method.func is grad_inner_tensor_in_reduce_dtype:
+                        delattr(fsdp_param, _METHOD)
             self._attached.clear()
 
 
