@@ -4,7 +4,9 @@ activation-checkpoint recompute, and gradient reduction in ``reduce_dtype``.
 ``import torch_fsdp_ext`` installs every fix this torch release needs; set
 ``TORCH_FSDP_EXT_DISABLE=1`` to import without installing, and
 ``TORCH_FSDP_EXT_DTYPE_STRATEGY`` to choose the dtype strategy (a value that is
-not a strategy stops the import with a ``SettingError``, a ``ValueError``). See README.md.
+not a strategy stops the import with a ``SettingError``, a ``ValueError``), and
+``TORCH_FSDP_EXT_REDUCE_DTYPE=float32`` to accumulate and reduce gradients in fp32 where a
+``fully_shard`` policy asks for 16 bits or nothing. See README.md.
 """
 
 import sys as _sys
@@ -53,6 +55,7 @@ _compute_dtype.set_default_selectors(_compute_dtype.selectors_from_env())
 # Note: raises on a strategy it cannot honour; training with the default instead would
 # silently double the training state a user chose "preserve" to avoid.
 _install.set_default_dtype_strategy(_env.choice("TORCH_FSDP_EXT_DTYPE_STRATEGY", STRATEGIES))
+_install.set_default_reduce_dtype(_env.choice("TORCH_FSDP_EXT_REDUCE_DTYPE", _install.REDUCE_DTYPES))
 # Note: the start-up hook may be waiting to import the plugin at the first FSDP group
 # (torch_fsdp_ext_startup); this import ends that wait.
 if "torch_fsdp_ext_startup" in _sys.modules:

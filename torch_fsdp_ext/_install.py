@@ -26,6 +26,9 @@ _lock: threading.RLock = globals().get("_lock") or threading.RLock()
 _active: dict[str, tuple[Any, PatchSet]] = globals().get("_active", {})  # fix name -> (fix, its patches)
 # The dtype strategy of an install() that names none: TORCH_FSDP_EXT_DTYPE_STRATEGY, else "upcast".
 _dtype_strategy: str = globals().get("_dtype_strategy", "upcast")
+# The gradient reduction setting: torch.float32 (TORCH_FSDP_EXT_REDUCE_DTYPE=float32), or None for each policy's own.
+_reduce_dtype: torch.dtype | None = globals().get("_reduce_dtype")
+REDUCE_DTYPES = {"float32": torch.float32, "none": None}
 _warned_unsupported = False
 _warned_stands_aside: set[str] = set()  # fixes whose probes failed, warned about once
 _warned_foreign: set[str] = set()  # functions replaced by another library, warned about once
@@ -61,7 +64,7 @@ def _make_fix(name: str, internals: _compat.TorchInternals, dtype_strategy: str)
         fix.ranks.installed_fixes = _installed_names  # the ranks compare them with their dtype layouts
         return fix
     if name == "reduce":
-        return ReduceFix(internals)
+        return ReduceFix(internals, _reduce_dtype)
     return RecomputeReplay(internals)
 
 
@@ -103,6 +106,34 @@ def set_default_dtype_strategy(dtype_strategy: str | None) -> None:
             _set_dtype_strategy(dtype_strategy)
 
 
+def _parse_reduce_dtype(reduce_dtype: Any) -> Any:
+    """``torch.float32`` or ``None`` (each policy's own) as named; ``...`` (not given) keeps the current one."""
+    if reduce_dtype is ... or isinstance(reduce_dtype, torch.dtype) and reduce_dtype == torch.float32:
+        return reduce_dtype
+    if reduce_dtype is None:
+        return None
+    name = str(reduce_dtype).replace("torch.", "") if isinstance(reduce_dtype, torch.dtype) else reduce_dtype
+    return REDUCE_DTYPES[_env.parse_choice(name, REDUCE_DTYPES, "reduce_dtype")]
+
+
+def set_default_reduce_dtype(reduce_dtype: str | None) -> None:
+    """The reduction setting from the environment at import (None: unset, each policy's own)."""
+    global _reduce_dtype
+    if reduce_dtype is not None:
+        _reduce_dtype = REDUCE_DTYPES[reduce_dtype]
+
+
+def _set_reduce_dtype(reduce_dtype: torch.dtype | None) -> None:
+    """A new reduction setting: an installed reduce fix is installed again with it."""
+    global _reduce_dtype
+    if reduce_dtype == _reduce_dtype:
+        return
+    _reduce_dtype = reduce_dtype
+    if "reduce" in _active:
+        uninstall(["reduce"])
+        install(["reduce"])
+
+
 def _warn_unsupported(internals: _compat.TorchInternals) -> None:
     global _warned_unsupported
     if not _warned_unsupported:
@@ -115,7 +146,9 @@ def _warn_unsupported(internals: _compat.TorchInternals) -> None:
         )
 
 
-def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = None) -> list[str]:
+def install(
+    fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = None, reduce_dtype: Any = ...
+) -> list[str]:
     """Install the fixes this torch release needs (all by default); idempotent.
 
     ``dtype_strategy`` (one of ``STRATEGIES``, any case): ``"upcast"`` keeps fp32 master
@@ -124,13 +157,20 @@ def install(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = 
     of the plugin, kept for later installs and applied to an active dtype fix
     whichever fixes are named; ``None`` keeps the current one
     (``TORCH_FSDP_EXT_DTYPE_STRATEGY`` at import, else ``"upcast"``).
+    ``reduce_dtype=torch.float32`` (or ``"float32"``): every ``fully_shard`` policy whose
+    ``reduce_dtype`` is unset or 16-bit accumulates and reduces gradients in fp32; ``None``:
+    each policy's own (the default; ``TORCH_FSDP_EXT_REDUCE_DTYPE`` at import). A setting of
+    the plugin like the strategy; not given: unchanged.
     Returns the names of the fixes active after the call.
     """
     names = _check_names(fixes)
     dtype_strategy = _parse_strategy(dtype_strategy)
+    reduce_dtype = _parse_reduce_dtype(reduce_dtype)
     with _lock:
         if dtype_strategy is not None:
             _set_dtype_strategy(dtype_strategy)
+        if reduce_dtype is not ...:
+            _set_reduce_dtype(reduce_dtype)
         internals = _compat.load_internals()
         if internals.fsdp_package is None:
             _warn_unsupported(internals)
@@ -227,18 +267,21 @@ def uninstall(fixes: Iterable[str] | None = None) -> None:
 
 
 @contextlib.contextmanager
-def installed(fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = None) -> Iterator[list[str]]:
+def installed(
+    fixes: Iterable[str] | None = None, *, dtype_strategy: str | None = None, reduce_dtype: Any = ...
+) -> Iterator[list[str]]:
     """Context manager: the fixes are active inside; on exit the fixes and the
     dtype strategy are exactly what they were before it."""
     with _lock:
-        before, strategy_before = set(_active), _dtype_strategy
-        active = install(fixes, dtype_strategy=dtype_strategy)
+        before, strategy_before, reduce_dtype_before = set(_active), _dtype_strategy, _reduce_dtype
+        active = install(fixes, dtype_strategy=dtype_strategy, reduce_dtype=reduce_dtype)
     try:
         yield active
     finally:
         with _lock:
             uninstall([n for n in FIX_NAMES if n in _active and n not in before])
             _set_dtype_strategy(strategy_before)
+            _set_reduce_dtype(reduce_dtype_before)
             missing = [n for n in FIX_NAMES if n in before and n not in _active]
             if missing:
                 install(missing)
@@ -292,6 +335,7 @@ def status() -> Status:
             details["upcast"] = {"params": UPCAST_COST.params, "bytes": UPCAST_COST.bytes}
         elif name == "reduce":
             details["parts"] = fix.parts_status()
+            details["reduce_dtype"] = "float32" if _reduce_dtype is not None else "each policy's own"
         else:
             details["replays"] = fix.replays()
             details["rebound_hooks"] = patches.rebound_hooks if patches is not None else 0

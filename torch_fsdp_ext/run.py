@@ -5,6 +5,7 @@
     python -m torch_fsdp_ext.run [--dtype-strategy STRATEGY] train.py ARGS...
     python -m torch_fsdp_ext.run --compute-in-loaded-dtype LlamaRMSNorm,lm_head train.py ARGS...
     python -m torch_fsdp_ext.run --compute-in-loaded-dtype auto train.py ARGS...
+    python -m torch_fsdp_ext.run --reduce-dtype float32 train.py ARGS...
     python -m torch_fsdp_ext.run -m package.module ARGS...
 
 Imports the plugin (which installs the fixes this torch needs), then runs the script
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(
         prog="python -m torch_fsdp_ext.run",
-        usage="%(prog)s [--dtype-strategy STRATEGY] [--compute-in-loaded-dtype MODULES] (SCRIPT | -m MODULE) [ARGS ...]",
+        usage="%(prog)s [--dtype-strategy STRATEGY] [--compute-in-loaded-dtype MODULES] [--reduce-dtype float32] "
+        "(SCRIPT | -m MODULE) [ARGS ...]",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -49,6 +51,13 @@ def main(argv: list[str] | None = None) -> None:
         "every FSDP group, with casts at their boundaries; 'auto': the fp32-loaded modules a transformers model's "
         "_keep_in_fp32_modules(_strict) lists name (as TORCH_FSDP_EXT_COMPUTE_IN_LOADED_DTYPE; docs/compute-dtype.md)",
     )
+    parser.add_argument(
+        "--reduce-dtype",
+        choices=("float32",),
+        type=lambda value: value.strip().lower(),
+        help="accumulate and reduce gradients in fp32 where a fully_shard policy's reduce_dtype is unset or 16-bit "
+        "(accelerate's, the HF Trainer's mixed_precision: bf16; as TORCH_FSDP_EXT_REDUCE_DTYPE)",
+    )
     parser.add_argument("-m", dest="as_module", action="store_true", help="run a module, like python -m")
     parser.add_argument("target", nargs="?", metavar="SCRIPT", help="the script (or, with -m, the module) to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments")
@@ -59,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     if options.dtype_strategy is not None:
         torch_fsdp_ext.install(dtype_strategy=options.dtype_strategy)
         os.environ["TORCH_FSDP_EXT_DTYPE_STRATEGY"] = options.dtype_strategy
+    if options.reduce_dtype is not None:
+        torch_fsdp_ext.install(reduce_dtype=options.reduce_dtype)
+        os.environ["TORCH_FSDP_EXT_REDUCE_DTYPE"] = options.reduce_dtype
     if options.compute_in_loaded_dtype is not None:
         compute_dtype = torch_fsdp_ext._compute_dtype
         compute_dtype.set_default_selectors(options.compute_in_loaded_dtype, compute_dtype.LAUNCHER_OPTION)

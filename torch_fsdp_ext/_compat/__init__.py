@@ -63,8 +63,7 @@ FIX_SYMBOLS: dict[str, frozenset[str]] = {
         "FSDPState", "TrainingState", "cast_fp_tensor", "MixedPrecisionPolicy", "apply_to_tensors", "to_kwargs",
         "checkpoint_hook", "recomputation_hook", "CheckpointFrame", "module_state_mapping",
     }),
-    # The reduce fix wraps foreach_reduce only; without FSDPParamGroup its frozen-first-forward probe answers None.
-    "reduce": frozenset({"fsdp_param_group_module", "MixedPrecisionPolicy"}),
+    "reduce": frozenset({"FSDPParamGroup", "FSDPParam", "MixedPrecisionPolicy"}),
 }
 
 # Methods that the fixes wrap, by the name used above.
@@ -73,6 +72,7 @@ WRAPPED_METHODS: tuple[tuple[str, str], ...] = (
     ("FSDPParamGroup", "_init_mp_dtypes"),
     ("FSDPParamGroup", "post_backward"),
     ("FSDPParamGroup", "lazy_init"),
+    ("FSDPParam", "__init__"),
     ("FSDPParam", "to_sharded_dtensor"),
     ("fsdp_param_group_module", "foreach_reduce"),
     ("FSDPState", "init"),

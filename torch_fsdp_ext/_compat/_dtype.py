@@ -13,7 +13,7 @@ from . import TorchInternals, load_internals, param_group_init_of_torch, torch_o
 
 
 # Owners whose methods the dtype fix wraps where the reduce-scatter casts its whole output to one dtype.
-MIXED_REDUCE_OWNERS = ("FSDPParamGroup", "FSDPParam", "fsdp_param_group_module")
+MIXED_REDUCE_OWNERS = ("FSDPParamGroup", "FSDPParam.to_sharded_dtensor", "fsdp_param_group_module")
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,10 +14,11 @@ import torch
 from . import TorchInternals, load_internals, torch_own
 from ._dtype import _ProbeParam
 
-# Note: every part of the reduce fix wraps ``foreach_reduce`` as ``FSDPParamGroup.post_backward``
-# calls it (a global of ``_fsdp_param_group``), positionally: ``(fsdp_params, unsharded_grads,
-# reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm, [orig_dtype,] reduce_dtype, ...)``.
-# The wrappers read the dtype arguments at the positions torch's own signature gives them.
+# Note: the failures of FSDP2's reduce path before 2.15 (pytorch#196996, #186998, #190626) are
+# probed here by behaviour, each on stand-ins without a process group: they say which failures
+# a release has (``status()``, the tests). The fix itself reads only the probes of where 2.15
+# fixed them, at the unsharded gradient's birth (#197203): ``probe_unsharded_grad_dtype`` and
+# the two below it.
 
 
 class _ProbeStop(Exception):
@@ -40,18 +41,6 @@ class _ProbeReduceScatter:
 def torch_foreach_reduce() -> Any:
     """Torch's own ``foreach_reduce`` behind whatever FSDP's param group calls (Note [Foreign patches])."""
     return torch_own(load_internals().fsdp_param_group_module.foreach_reduce, "foreach_reduce")
-
-
-def foreach_reduce_argument_positions() -> dict[str, int] | None:
-    """Position of ``unsharded_grads``, ``orig_dtype`` (absent from 2.15) and ``reduce_dtype`` in torch's
-    ``foreach_reduce``; None where torch's own cannot be found or has no ``unsharded_grads``/``reduce_dtype``."""
-    foreach_reduce = torch_foreach_reduce()
-    if foreach_reduce is None:
-        return None
-    names = list(inspect.signature(foreach_reduce).parameters)
-    if "unsharded_grads" not in names or "reduce_dtype" not in names:
-        return None
-    return {name: names.index(name) for name in ("unsharded_grads", "orig_dtype", "reduce_dtype") if name in names}
 
 
 def _copy_in_of(grads: list[torch.Tensor]) -> torch.Tensor | None | bool:
@@ -148,8 +137,7 @@ TP_REDUCE_METHOD = ("FSDPParam", "_get_grad_inner_tensor")
 
 
 def grad_inner_tensor_method() -> Callable | None:
-    """``FSDPParam._get_grad_inner_tensor`` as the class holds it; None where missing. (The plugin never wraps
-    it on the class: the TP part gives DTensor parameters an instance attribute instead.)"""
+    """``FSDPParam._get_grad_inner_tensor`` as the class holds it; None where missing."""
     method = getattr(load_internals().symbols.get(TP_REDUCE_METHOD[0]), TP_REDUCE_METHOD[1], None)
     return method if callable(method) else None
 
@@ -158,27 +146,6 @@ def tp_reduce_symbol_name() -> str:
     owner = load_internals().symbols.get(TP_REDUCE_METHOD[0])
     prefix = f"{owner.__module__}.{owner.__qualname__}" if owner is not None else TP_REDUCE_METHOD[0]
     return f"{prefix}.{TP_REDUCE_METHOD[1]}"
-
-
-def reduces_outside_dp(fsdp_param: Any, grad: torch.Tensor) -> bool:
-    """Will ``_get_grad_inner_tensor`` reduce ``grad`` over a mesh dim that is not data parallel?
-
-    True where ``grad`` is a DTensor with a ``Partial`` placement on such a dim that the
-    parameter's placements there are not: the redistribute is an all-reduce (to ``Replicate``)
-    or a reduce-scatter (to ``Shard``). DP dims are left to FSDP's reduce-scatter (spmd meshes).
-    The parameter's placements: ``_unsharded_dtensor_spec`` (2.12 on), ``_tp_spec`` on older releases.
-    """
-    spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None) or getattr(fsdp_param, "_tp_spec", None)
-    placements = getattr(grad, "placements", None)
-    if spec is None or placements is None or len(placements) != len(spec.placements):
-        return False
-    mesh_info = getattr(fsdp_param, "mesh_info", None)
-    dp_dims = getattr(fsdp_param, "_dp_dim_indices", ()) if getattr(mesh_info, "is_spmd_mesh", False) else ()
-    return any(
-        placement.is_partial() and not target.is_partial()
-        for i, (placement, target) in enumerate(zip(placements, spec.placements))
-        if i not in dp_dims
-    )
 
 
 def _recording_partial_grad(dtype: torch.dtype, seen: list[torch.dtype]) -> torch.Tensor:
@@ -249,7 +216,7 @@ def probe_tp_grad_reduce_dtype() -> tuple[torch.dtype | None, str]:
         return None, f"{tp_reduce_symbol_name()} is missing"
     try:
         param = _grad_probe_param(internals)
-        internals.FSDPParam.init_unsharded_param(param)
+        _init_unsharded_param(param)
         unsharded = param.__dict__["_unsharded_param"]
         grad_dtype = getattr(unsharded, "grad_dtype", None) or unsharded.dtype
         _set_grad_probe_spec(param)
@@ -263,3 +230,76 @@ def probe_tp_grad_reduce_dtype() -> tuple[torch.dtype | None, str]:
     if len(seen) != 1 or not isinstance(local, torch.Tensor) or local.dtype != seen[0]:
         return None, f"{tp_reduce_symbol_name()} did not redistribute the Partial gradient once"
     return seen[0], "reduced in the gradient's dtype" if seen[0] == torch.bfloat16 else "reduced in reduce_dtype"
+
+
+def _init_unsharded_param(param: Any) -> None:
+    """Torch's own ``FSDPParam.init_unsharded_param`` on a stand-in (whatever instance attribute it has)."""
+    init = torch_own(vars(load_internals().FSDPParam).get("init_unsharded_param"), "init_unsharded_param")
+    if init is None:
+        raise AttributeError("FSDPParam.init_unsharded_param is missing")
+    init(param)
+
+
+@functools.lru_cache(maxsize=None)
+def probe_unsharded_grad_dtype() -> tuple[torch.dtype | None, str]:
+    """The ``grad_dtype`` torch gives a new unsharded parameter under ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)``: fp32 where torch has pytorch#197203 (2.15), bf16 before; (None, why) where unknown.
+
+    Note: one stand-in ``FSDPParam`` without a mesh goes through torch's own ``init_unsharded_param``
+    (the first all-gather's copy-out); autograd then produces the gradient in that dtype.
+    """
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        return None, "this torch has no Tensor.grad_dtype"
+    try:
+        param = _grad_probe_param(load_internals())
+        param.is_dtensor = False
+        _init_unsharded_param(param)
+        unsharded = param.__dict__["_unsharded_param"]
+    except Exception as e:  # noqa: BLE001 - internals we do not understand
+        return None, f"FSDPParam.init_unsharded_param differs: {e!r}"
+    if unsharded.dtype != torch.bfloat16 or unsharded.grad_dtype not in (torch.bfloat16, torch.float32):
+        return None, "FSDPParam.init_unsharded_param made an unsharded parameter this probe does not expect"
+    return unsharded.grad_dtype, "pytorch#197203" if unsharded.grad_dtype == torch.float32 else "the compute dtype"
+
+
+@functools.lru_cache(maxsize=None)
+def probe_zero_grad_dtype_follows_grad_dtype() -> bool | None:
+    """Does an unused parameter's zero placeholder (``set_reduce_scatter_unused_params(True)``) come in its
+    unsharded parameter's ``grad_dtype`` (2.15), or in its compute dtype (before)? None: cannot tell."""
+    prop = vars(load_internals().FSDPParam).get("unsharded_zero_grad_data")
+    getter = torch_own(getattr(prop, "fget", None), "unsharded_zero_grad_data")
+    if getter is None:
+        return None
+    unsharded = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    unsharded.grad_dtype = torch.float32
+    stand_in = types.SimpleNamespace(unsharded_param=unsharded, _unsharded_param=unsharded,
+                                     _get_grad_inner_tensor=lambda grad: grad)
+    try:
+        zeros = getter(stand_in)
+    except Exception:  # noqa: BLE001 - internals we do not understand
+        return None
+    return {torch.float32: True, torch.bfloat16: False}.get(getattr(zeros, "dtype", None))
+
+
+@functools.lru_cache(maxsize=None)
+def probe_no_sync_reads_missing_unsharded_param() -> bool | None:
+    """Does a backward without gradient sync fail on a unit that never ran forward (pytorch#194058)?
+
+    Note: up to 2.14 ``FSDPParamGroup.post_backward`` runs ``FSDPParam.to_accumulated_grad_if_needed``
+    on every parameter of every group without sync, and that reads ``_unsharded_param``, which only
+    the first all-gather creates. 2.15 removed the method and reads the parameter with a guard.
+    """
+    method = torch_own(vars(load_internals().FSDPParam).get("to_accumulated_grad_if_needed"),
+                       "to_accumulated_grad_if_needed")
+    if method is None:
+        if "to_accumulated_grad_if_needed" in vars(load_internals().FSDPParam):
+            return None  # there, but behind something the plugin cannot see through
+        return False
+    stand_in = types.SimpleNamespace(reduce_dtype=torch.float32, unsharded_accumulated_grad=None)
+    try:
+        method(stand_in)
+    except AttributeError:
+        return True
+    except Exception:  # noqa: BLE001 - internals we do not understand
+        return None
+    return False

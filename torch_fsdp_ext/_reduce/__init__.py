@@ -1,30 +1,22 @@
-"""Reduce: FSDP2's gradient reduction in mixed precision, as torch 2.15 reduces.
+"""Reduce: FSDP2's gradients in mixed precision, made, accumulated and reduced as torch 2.15 does.
 
 With ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, releases up to 2.14
-fail in ``FSDPParamGroup.post_backward``'s reduce on paths an ordinary fp32 model takes:
+make each unsharded gradient in bf16 and upcast it later, on paths that each failed:
+accumulation without sync where a gradient first appears on the synchronizing micro-batch,
+or with ``set_reduce_scatter_unused_params(True)`` (pytorch#196996)::
 
-- gradient accumulation without sync where a parameter's gradient first appears on the
-  synchronizing micro-batch, or an unused parameter's zero placeholder joins the reduce
-  (``set_reduce_scatter_unused_params(True)``): the accumulated gradients are already in
-  the reduce dtype and the fresh ones in the compute dtype (pytorch#196996, #160279)::
+    AssertionError: FSDP reduce-scatter expects uniform gradient dtype but got {torch.bfloat16, torch.float32}
 
-      AssertionError: FSDP reduce-scatter expects uniform gradient dtype but got {torch.bfloat16, torch.float32}
+a group whose first forward ran frozen (#186998, up to 2.13), and silently the TP all-reduce
+of a replicated parameter's gradient, run in bf16 (#190626). 2.15 makes the gradient in
+``reduce_dtype`` at its birth (#197203); so does this fix, and the failures above do not arise.
 
-- a group whose first forward ran with every parameter frozen, then unfrozen and trained:
-  its reduce and original dtypes were never resolved (pytorch#186998, fixed in 2.14)::
+Its parts, one concern per module, each importing only those listed before it:
 
-      RuntimeError: attempting to assign a gradient with dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'
-
-- with tensor parallel, a TP-replicated parameter's gradient (a ``SequenceParallel`` norm, a
-  router) is all-reduced over the TP mesh in the compute dtype, silently (pytorch#190626).
-
-The fix is made of parts, each probed and installed alone (``_fix`` describes their
-interface), one concern per module, each importing only those listed before it:
-
-- ``_grad_dtypes``: the part that brings a group's gradients to the reduce dtype before the copy-in;
-- ``_frozen_first_forward``: the part that resolves a group's dtypes when its first forward ran frozen;
-- ``_tp``: the part that all-reduces a TP-replicated parameter's gradient in the reduce dtype;
-- ``_foreach_reduce``: the one wrapper of ``foreach_reduce`` in which the first two parts run;
+- ``_grad_dtype``: the unsharded gradient's dtype as 2.15 chooses it, and unused parameters' zeros in it;
+- ``_never_ran``: a unit that has not run forward, in a backward without sync (#194058);
+- ``_user_grad_dtype``: a ``grad_dtype`` set on a parameter before ``fully_shard`` (#170648);
+- ``_fp32_reduction``: the opt-in setting that reduces in fp32 where a policy asks for 16 bits or nothing;
 - ``_fix``: the fix's interface, which decides and installs the parts (``ReduceFix``).
 """
 
