@@ -22,7 +22,7 @@ import torch_fsdp_ext
 from torch_fsdp_ext import _compat
 from torch_fsdp_ext._compat import _reduce as _compat_reduce
 from torch_fsdp_ext._patching import PatchSet
-from torch_fsdp_ext._reduce._tp import TPAllReduceInReduceDtype
+from torch_fsdp_ext._reduce._grad_dtype import GradDtypeAtBirth
 
 from common import ROOT, FSDPExtTestCase, MixedPrecisionPolicy, RMSNorm, fully_shard, plugin
 
@@ -98,15 +98,6 @@ def tp_mesh_and_model() -> tuple[object, TPBlock]:
     })
     fully_shard(model, mesh=mesh["dp"], mp_policy=BF16)
     return mesh, model
-
-
-def fsdp_params_of(module: nn.Module) -> list:
-    return [p for group in _compat.param_groups_of(_compat.fsdp_state_of(module)) for p in group.fsdp_params]
-
-
-def has_instance_method(fsdp_param) -> bool:
-    """Whether the TP part gave ``fsdp_param`` its own ``_get_grad_inner_tensor`` (Note [TP parameters only])."""
-    return _compat_reduce.TP_REDUCE_METHOD[1] in vars(fsdp_param)
 
 
 def local_batch(tp_rank: int, step: int) -> torch.Tensor:
@@ -221,22 +212,6 @@ class TPReduceTest(FSDPExtTestCase):
             # uninstall() takes the cast away again: torch's own reduce, in bf16
             self.assertEqual(self.witness_backward(norm, x), torch.full((DIM,), SUM_BF16), atol=0, rtol=0)
 
-    @needs_tp_bug
-    def test_only_dtensor_parameters_get_the_cast(self) -> None:
-        """Note [TP parameters only]: a plain parameter keeps torch's method; uninstall() removes every attribute."""
-        with tp_reduce_fix():
-            norm, x = self.witness_norm()
-            plain = nn.Linear(DIM, DIM)
-            fully_shard(plain, mp_policy=BF16)
-            plain(torch.randn(2, DIM)).sum().backward()
-            self.witness_backward(norm, x)
-            tp_params = [p for p in fsdp_params_of(norm)]
-            plain_params = [p for p in fsdp_params_of(plain)]
-            self.assertEqual([p.is_dtensor for p in tp_params + plain_params], [True, False, False])
-            self.assertEqual([has_instance_method(p) for p in tp_params + plain_params], [True, False, False])
-            torch_fsdp_ext.uninstall()
-            self.assertEqual([has_instance_method(p) for p in tp_params], [False])
-
     # -- unused parameters -----------------------------------------------------
 
     def unused_placeholders(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -283,8 +258,8 @@ class TPReduceTest(FSDPExtTestCase):
         with tp_reduce_fix():
             seen = self.unused_placeholders()
         self.assertEqual({fqn: shape for fqn, (shape, _) in seen.items()}, local)
-        # The used norm's gradient comes out of its TP all-reduce in reduce_dtype, next to bf16 placeholders.
-        self.assertEqual(seen["norm.weight"][1], torch.float32)
+        # As 2.15 makes them: every gradient in reduce_dtype, the unused parameters' zeros included.
+        self.assertEqual({fqn: dtype for fqn, (_, dtype) in seen.items()}, dict.fromkeys(local, torch.float32))
 
     # -- training --------------------------------------------------------------
 
@@ -314,33 +289,12 @@ class TPReduceTest(FSDPExtTestCase):
         self.assertEqual(actual, expected, atol=0, rtol=0)
 
 
-class TPReducePatchTest(TestCase):
-    """What the part patches, and its probe, in one process."""
+class TPReduceProbeTest(TestCase):
+    """The probe of the dtype in which this torch all-reduces a TP-replicated gradient, in one process."""
 
-    def owners(self) -> list[tuple[object, str]]:
-        internals = _compat.load_internals()
-        return [(internals.FSDPParamGroup, "lazy_init")]
-
-    def test_install_restores_originals(self) -> None:
-        part = TPAllReduceInReduceDtype(_compat.load_internals())
-        with plugin(False):
-            before = [owner.__dict__.get(name) for owner, name in self.owners()]
-            method = _compat_reduce.grad_inner_tensor_method()
-            patches = PatchSet()
-            if part.needed()[0]:
-                part.install(patches)
-                during = [owner.__dict__.get(name) for owner, name in self.owners()]
-                self.assertTrue(all(d is not b for d, b in zip(during, before)), part.wrapped_symbols())
-                # Note [TP parameters only]: the class's method stays torch's.
-                self.assertIs(_compat_reduce.grad_inner_tensor_method(), method)
-                _compat_reduce.probe_tp_grad_reduce_dtype.cache_clear()
-                self.assertIs(part.needed()[0], True)
-            patches.restore()
-            after = [owner.__dict__.get(name) for owner, name in self.owners()]
-        self.assertTrue(all(a is b for a, b in zip(after, before)))
-
-    def test_needed_where_torch_reduces_in_bf16(self) -> None:
-        needed, why = TPAllReduceInReduceDtype(_compat.load_internals()).needed()
+    def test_fix_needed_where_torch_reduces_in_bf16(self) -> None:
+        """The gradient-dtype part is what makes the TP all-reduce run in reduce_dtype (no part of its own)."""
+        needed, why = GradDtypeAtBirth(_compat.load_internals()).needed()
         self.assertEqual(needed, TORCH_REDUCES_TP_IN_BF16, why)
 
     @needs_tp_bug
@@ -352,19 +306,19 @@ class TPReducePatchTest(TestCase):
         def casting(fsdp_param, grad):
             return original(fsdp_param, grad.to(fsdp_param.reduce_dtype))
 
-        self.assertEqual(self.needed_with(owner, name, casting), False)
+        self.assertEqual(self.probe_with(owner, name, casting), torch.float32)
 
     @needs_tp_bug
     def test_probe_stands_aside_where_internals_changed(self) -> None:
         owner, name = _compat.load_internals().FSDPParam, _compat_reduce.TP_REDUCE_METHOD[1]
-        self.assertIsNone(self.needed_with(owner, name, lambda fsdp_param, grad: grad))
+        self.assertIsNone(self.probe_with(owner, name, lambda fsdp_param, grad: grad))
 
-    def needed_with(self, owner: object, name: str, replacement) -> bool | None:
+    def probe_with(self, owner: object, name: str, replacement) -> torch.dtype | None:
         patches = PatchSet()
         patches.wrap(owner, name, lambda original: replacement)
         _compat_reduce.probe_tp_grad_reduce_dtype.cache_clear()
         try:
-            return TPAllReduceInReduceDtype(_compat.load_internals()).needed()[0]
+            return _compat_reduce.probe_tp_grad_reduce_dtype()[0]
         finally:
             patches.restore()
             _compat_reduce.probe_tp_grad_reduce_dtype.cache_clear()

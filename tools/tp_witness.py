@@ -5,7 +5,8 @@
 Two gloo ranks on CPU, a (dp=1, tp=2) mesh, a ``SequenceParallel`` weight, ``fully_shard`` with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``. Rank 0 contributes 1.0 to the weight's
 gradient, rank 1 2**-10: reduced in fp32 that is 1.0009765625, in bf16 1.0. Prints one line: this torch,
-whether it needs the plugin's TP part, and the reduced gradient without and with the part.
+whether it needs the reduce fix's gradient-dtype part (which makes the gradient in fp32 before the TP
+all-reduce, as 2.15 does), and the reduced gradient without and with the reduce fix.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torch_fsdp_ext import _compat  # noqa: E402
-from torch_fsdp_ext._patching import PatchSet  # noqa: E402
-from torch_fsdp_ext._reduce._tp import TPAllReduceInReduceDtype  # noqa: E402
+from torch_fsdp_ext._reduce._grad_dtype import GradDtypeAtBirth  # noqa: E402
 
 CONTRIBUTIONS = (1.0, 2.0**-10)
 
@@ -55,15 +55,12 @@ def run(rank: int, port: int) -> None:
 
     torch_fsdp_ext.uninstall()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    part, patches = TPAllReduceInReduceDtype(_compat.load_internals()), PatchSet()
-    needed, why = part.needed()
+    needed, why = GradDtypeAtBirth(_compat.load_internals()).needed()
     without = reduced_grad(rank)
-    if needed:
-        part.install(patches)
-    with_part = reduced_grad(rank)
-    patches.restore()
+    with torch_fsdp_ext.installed(["reduce"]):
+        with_fix = reduced_grad(rank)
     if rank == 0:
-        print(f"torch {torch.__version__}: needed={needed} ({why}); without {without!r}, with {with_part!r}")
+        print(f"torch {torch.__version__}: needed={needed} ({why}); without {without!r}, with {with_fix!r}")
     dist.destroy_process_group()
 
 

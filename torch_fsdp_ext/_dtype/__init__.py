@@ -8,7 +8,6 @@ FSDP2's ``FSDPParamGroup._init_mp_dtypes`` asserts one original dtype per group:
 One concern per module, each importing only those listed before it:
 
 - ``_plan``: a group's dtype plan (which dtypes it mixes, what must never be cast) and the error;
-- ``_roots``: the ``fully_shard`` roots of a module, found in its own tree;
 - ``_roots``: the ``fully_shard`` roots that own a module's parameters, found in its own tree;
 - ``_loaded_dtypes``: the dtypes a model was loaded in, and state dicts and exports in them;
 - ``_mixed_groups``: groups that keep mixed dtypes, and their per-parameter gradient reduction;

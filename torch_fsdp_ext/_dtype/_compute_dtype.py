@@ -504,14 +504,16 @@ def compute_in(group: Any, fsdp_param: Any, dtype: torch.dtype) -> None:
 
 
 def at_lazy_init(group: Any) -> None:
-    """Before 2.15: the overridden parameters' ``param_dtype``, and one reduce for mixed gradient dtypes."""
+    """Before 2.15: the overridden parameters' ``param_dtype``, the plugin's masters' reduce dtype, and one
+    reduce for mixed gradient dtypes."""
     overridden = [p for p in group.fsdp_params if _COMPUTE_ATTR in p.__dict__]
-    if not overridden:
-        return
     if not TORCH_HAS_OVERRIDE:
         for fsdp_param in overridden:
             dtype = fsdp_param.__dict__[_COMPUTE_ATTR]
             fsdp_param.param_dtype = None if dtype == fsdp_param.orig_dtype else dtype
+        _masters_reduce_in_their_dtype(group)
+    if not overridden:
+        return
     _check_one_cast_dtype(group)
     if TORCH_HAS_OVERRIDE:
         return  # 2.15 reduces mixed gradient dtypes itself
@@ -524,7 +526,26 @@ def at_lazy_init(group: Any) -> None:
     # rounded to its compute dtype, gives the same for the parameters the override
     # leaves alone as without it.
     reduce_dtype = group.mp_policy.reduce_dtype
-    _mixed_groups.mark_mixed_compute_group(group, reduce_dtype, {} if reduce_dtype is not None else compute)
+    round_through = {} if reduce_dtype is not None else {p: c for p, c in compute.items() if p.reduce_dtype is None}
+    _mixed_groups.mark_mixed_compute_group(group, reduce_dtype, round_through)
+
+
+def _masters_reduce_in_their_dtype(group: Any) -> None:
+    """Before 2.15: a master weight the plugin made (upcast from a narrower loaded dtype) that computes in a
+    narrower dtype, under a policy without ``reduce_dtype``, accumulates and reduces in its own dtype.
+
+    Note: 2.15 makes every such gradient in the parameter's own dtype when the policy sets no
+    reduce dtype (``FSDPParam.unsharded_grad_dtype``); a release before keeps it in the compute
+    dtype, so an fp32 master accumulated over micro-batches without sync would sum in bf16. A
+    parameter the plugin did not change keeps its release's rule.
+    """
+    for fsdp_param in group.fsdp_params:
+        loaded = _loaded_dtypes.loaded_dtype_of(fsdp_param)
+        if (
+            loaded is not None and fsdp_param.reduce_dtype is None and fsdp_param.param_dtype is not None
+            and loaded.itemsize < fsdp_param.orig_dtype.itemsize
+        ):
+            fsdp_param.reduce_dtype = fsdp_param.orig_dtype
 
 
 def _check_one_cast_dtype(group: Any) -> None:

@@ -47,6 +47,11 @@ def remember_loaded_dtype(fsdp_param: Any, dtype: torch.dtype) -> None:
     fsdp_param.__dict__.setdefault(_ATTR, dtype)
 
 
+def loaded_dtype_of(fsdp_param: Any) -> torch.dtype | None:
+    """The dtype ``fsdp_param`` was loaded in, where the plugin changed it since; else None."""
+    return fsdp_param.__dict__.get(_ATTR)
+
+
 def _changed_dtypes(model: torch.nn.Module) -> dict[int, torch.dtype]:
     """id of each sharded parameter whose dtype the plugin changed -> its loaded dtype."""
     changed = {}

@@ -53,14 +53,16 @@ class Fp32Reduction:
         self.active = True
 
     def before_lazy_init(self, group: Any) -> None:
-        """Replace ``group``'s policy (and 2.15's per-parameter copies) before torch resolves its dtypes."""
-        if group in self._replaced or group.mp_policy.reduce_dtype not in _NARROW:
+        """Replace ``group``'s policy (per group up to 2.14, per parameter from 2.15) before torch resolves its
+        dtypes from it."""
+        if group in self._replaced:
             return
         with self._lock:
             if group in self._replaced:
                 return
-            self._replaced[group] = group.mp_policy
-            group.mp_policy = dataclasses.replace(group.mp_policy, reduce_dtype=self.reduce_dtype)
+            self._replaced[group] = group.__dict__.get("mp_policy")
+            if self._replaced[group] is not None and self._replaced[group].reduce_dtype in _NARROW:
+                group.mp_policy = dataclasses.replace(group.mp_policy, reduce_dtype=self.reduce_dtype)
             for fsdp_param in group.fsdp_params:
                 policy = fsdp_param.__dict__.get("mp_policy")
                 if policy is not None and policy.reduce_dtype in _NARROW:
@@ -71,11 +73,9 @@ class Fp32Reduction:
         """The user's policies back; FSDP resolves dtypes from them again at each group's next lazy init."""
         with self._lock:
             for group, policy in list(self._replaced.items()):
-                group.mp_policy = policy
+                if policy is not None:
+                    group.mp_policy = policy
                 for fsdp_param in group.fsdp_params:
                     if _USER_POLICY_ATTR in fsdp_param.__dict__:
                         fsdp_param.mp_policy = fsdp_param.__dict__.pop(_USER_POLICY_ATTR)
             self._replaced.clear()
-
-    def describe(self) -> str:
-        return "fp32 for policies with no or a 16-bit reduce_dtype" if self.active else "each policy's reduce_dtype"
