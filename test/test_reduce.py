@@ -256,10 +256,10 @@ class TestReduceComposition(FSDPExtTestCase):
         for name, value in first.items():
             self.assertTrue(torch.equal(value, second[name]), f"{name} differs between install orders")
 
-    def test_reduce_uninstalled_under_the_mixed_group_wrapper_restores_torch_later(self):
-        """Note [Buried patches]: the dtype fix wraps foreach_reduce over the reduce fix's wrapper while a mixed
-        group lives; uninstalling the reduce fix then leaves its wrapper inert there, and torch's function comes
-        back when the mixed group goes."""
+    def test_reduce_uninstalled_while_a_mixed_group_lives_restores_torch(self):
+        """The dtype fix wraps foreach_reduce while a preserve group lives; uninstalling the reduce fix then gives
+        back torch's own gradient dtypes (its assertion for the plain group), and torch's function comes back when
+        the mixed group goes."""
         param_group_module = reduce_modules()[1]
         torch_fsdp_ext.uninstall()
         original = param_group_module.foreach_reduce
@@ -275,7 +275,7 @@ class TestReduceComposition(FSDPExtTestCase):
                 torch_fsdp_ext.uninstall(["reduce"])
             if HAS_GRAD_DTYPES_BUG:
                 with self.assertRaisesRegex(AssertionError, "expects uniform gradient dtype"):
-                    self._fresh_on_sync(model)  # inert: torch's own assertion again
+                    self._fresh_on_sync(model)  # torch's own assertion again
             model = None
             gc.collect()
             torch_fsdp_ext.uninstall()
@@ -317,44 +317,60 @@ class TestReduceFixInstall(TestCase):
         super().tearDown()
 
     def test_installed_where_a_part_is_needed_and_restored_by_uninstall(self):
-        module = _compat.load_internals().fsdp_param_group_module
-        original = module.foreach_reduce
+        internals = _compat.load_internals()
+        owners = [(internals.FSDPParamGroup, "lazy_init"), (internals.FSDPParam, "__init__"),
+                  (internals.FSDPParam, "unsharded_zero_grad_data")]
+        before = [owner.__dict__.get(name) for owner, name in owners]
+        foreach_reduce = internals.fsdp_param_group_module.foreach_reduce
         active = torch_fsdp_ext.install(["reduce"])
         fix = torch_fsdp_ext.status().fixes["reduce"]
         parts = fix.details["parts"]
-        self.assertEqual(parts["mixed gradient dtypes"], "torch_fsdp_ext" if HAS_GRAD_DTYPES_BUG else "upstream")
-        self.assertEqual(parts["frozen first forward"], "torch_fsdp_ext" if HAS_FROZEN_BUG else "upstream")
-        self.assertEqual(parts["TP all-reduce"], "torch_fsdp_ext" if HAS_GRAD_DTYPES_BUG else "upstream")  # both 2.15
-        if HAS_GRAD_DTYPES_BUG or HAS_FROZEN_BUG:
+        self.assertEqual(parts["gradient dtype at birth"], "torch_fsdp_ext" if HAS_GRAD_DTYPES_BUG else "upstream")
+        self.assertEqual(parts["unit that never ran"], "torch_fsdp_ext" if HAS_GRAD_DTYPES_BUG else "upstream")
+        self.assertEqual(parts["fp32 reduction (setting)"], "off")
+        # Note [Gradients born in the reduce dtype]: nothing wraps the reduce itself.
+        self.assertIs(internals.fsdp_param_group_module.foreach_reduce, foreach_reduce)
+        if HAS_GRAD_DTYPES_BUG:
             self.assertEqual(active, ["reduce"])
             self.assertTrue(fix.active)
-            self.assertIsNot(module.foreach_reduce, original)
-            group_cls = _compat.load_internals().FSDPParamGroup
-            lazy_init = f"{group_cls.__module__}.{group_cls.__qualname__}.lazy_init"
-            self.assertEqual(fix.wraps, [f"{module.__name__}.foreach_reduce", lazy_init])
+            # unsharded_zero_grad_data: where the release has unused-parameter reduction (2.13, 2.14).
+            wrapped = [name in {w.rsplit(".", 1)[1] for w in fix.wraps} for _, name in owners]
+            self.assertEqual(wrapped[:2], [True, True], fix.wraps)
+            self.assertEqual(wrapped[2], HAS_UNUSED_API, fix.wraps)
+            during = [owner.__dict__.get(name) for owner, name in owners]
+            self.assertEqual([d is not b for d, b in zip(during, before)], wrapped)
         else:  # 2.15: nothing installed, nothing patched
             self.assertEqual(active, [])
             self.assertFalse(fix.active)
             self.assertFalse(fix.needed)
-            self.assertIs(module.foreach_reduce, original)
             self.assertEqual(fix.wraps, [])
         self.assertEqual(torch_fsdp_ext.install(["reduce"]), active)  # idempotent
         torch_fsdp_ext.uninstall(["reduce"])
-        self.assertIs(module.foreach_reduce, original)
+        self.assertEqual([owner.__dict__.get(name) for owner, name in owners], before)
         self.assertFalse(torch_fsdp_ext.status().fixes["reduce"].active)
+
+    def test_fp32_reduction_setting_installs_the_fix_on_every_release(self):
+        internals = _compat.load_internals()
+        lazy_init = internals.FSDPParamGroup.__dict__["lazy_init"]
+        with torch_fsdp_ext.installed(["reduce"], reduce_dtype="float32"):
+            fix = torch_fsdp_ext.status().fixes["reduce"]
+            self.assertTrue(fix.active)
+            self.assertEqual(fix.details["parts"]["fp32 reduction (setting)"], "torch_fsdp_ext")
+            self.assertEqual(fix.details["reduce_dtype"], "float32")
+            self.assertIsNot(internals.FSDPParamGroup.__dict__["lazy_init"], lazy_init)
+        self.assertIs(internals.FSDPParamGroup.__dict__["lazy_init"], lazy_init)
+        self.assertEqual(torch_fsdp_ext.status().fixes["reduce"].details["reduce_dtype"], "each policy's own")
+        with self.assertRaisesRegex(ValueError, "reduce_dtype must be one of float32, none"):
+            torch_fsdp_ext.install(reduce_dtype="bfloat16")
 
     def test_status_names_each_part(self):
         torch_fsdp_ext.install()
         text = str(torch_fsdp_ext.status())
         row = next(line for line in text.splitlines() if line.startswith("reduce "))
-        if HAS_GRAD_DTYPES_BUG and HAS_FROZEN_BUG:
+        if HAS_GRAD_DTYPES_BUG:
             self.assertRegex(row, r"^reduce\s+yes\s+yes")
-            self.assertIn(
-                "reduce: the plugin fixes the mixed gradient dtypes, the frozen first forward and the TP all-reduce.", text
-            )
-        elif HAS_GRAD_DTYPES_BUG:
-            self.assertRegex(row, r"^reduce\s+partly\s+yes")
-            self.assertIn("reduce: needed in part: this torch fixes the frozen first forward itself.", text)
+            self.assertIn("reduce: the plugin fixes the gradient dtype at birth, the unit that never ran and the "
+                          "grad_dtype set before fully_shard.", text)
         else:
             self.assertRegex(row, r"^reduce\s+no\s+no")
 
