@@ -7,7 +7,7 @@ which ``modules()`` uses), its scans of every live FSDP state (``_compat.fsdp_st
 FSDP parameters it looks at (``_compat.current_module_param``), for a
 new model with no other model alive and with 199 others sharded and still undecided (RL: a
 reference, a reward and a value model built before the policy's optimizer).
-``tools/live_models_cost.py`` measures the times.
+``tools/benchmarks/live_models_cost.py`` measures the times.
 """
 
 from __future__ import annotations

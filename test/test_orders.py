@@ -636,7 +636,8 @@ class OrderMachine(RuleBasedStateMachine):
     def said_late(self) -> bool:
         """The plugin's upcast said its model was sharded before the install: the WARNING on the first rank
         of the model's shard group, the model's groups marked as said on every rank."""
-        from torch_fsdp_ext._dtype._strategies import SHARDED_BEFORE_INSTALL_ATTR  # late: tools/order_findings.py
+        # late: tools/reproductions/order_findings.py
+        from torch_fsdp_ext._dtype._strategies import SHARDED_BEFORE_INSTALL_ATTR
 
         if self.test.rank == 0:
             return self.warnings.said > 0

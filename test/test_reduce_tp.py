@@ -329,7 +329,8 @@ class TPWitnessToolTest(TestCase):
     def test_tool_prints_the_witness(self) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
         result = subprocess.run(
-            [sys.executable, "tools/tp_witness.py"], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
+            [sys.executable, "tools/reproductions/tp_witness.py"],
+            capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
         )
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         without = SUM_BF16 if TORCH_REDUCES_TP_IN_BF16 else SUM_FP32

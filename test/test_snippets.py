@@ -8,8 +8,12 @@ What a block is, by its fence and first line:
 - a ``print(...)  # [...]`` line of a block must print what its comment shows;
 - a ``yaml`` block is an accelerate config: it must load as accelerate's ``ClusterConfig`` and name its
   processes and wrap policy;
-- a block whose first line is ``# not run: REASON`` is not run (an excerpt, a shape to copy); every other
-  block must be one of the above. Indented blocks are command lines and output, not snippets.
+- a block whose first line is ``# not run: REASON`` is not run (an excerpt, a shape to copy); one whose reason is
+  ``a fragment of PATH`` must name a file of this checkout that its page links. Every other block must be one of
+  the above. Indented blocks are command lines and output, not snippets.
+
+docs/checkpoints.md's table of key layouts (``export`` vs ``save_pretrained``) is checked against what its
+``train_and_save.py`` script and ``python -m torch_fsdp_ext export`` write.
 
 Each block runs in its own process with this checkout first on the import path, so a name a block does not
 define or import fails it.
@@ -21,17 +25,20 @@ import glob
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import unittest
 
+import torch
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 NOT_RUN = re.compile(r"^# not run: \S")
+FRAGMENT = re.compile(r"^# not run: a fragment of (\S+)")
 TORCHRUN = re.compile(r"^# torchrun --nproc-per-node 2 (\w+\.py)\b")
 PRINTS = re.compile(r"^ *print\(.*\) +# (\[.*\])$", re.MULTILINE)  # a print whose comment is its output (a list)
 has_extras = all(importlib.util.find_spec(name) for name in ("transformers", "accelerate", "peft", "yaml"))
@@ -66,6 +73,55 @@ class TestSnippets(TestCase):
         ]
         self.assertEqual(unmarked, [])
         self.assertGreater(len(snippets()), 10)
+
+    def test_fragments_name_a_file_their_page_links(self):
+        fragments = 0
+        for path, line, _, code in snippets():
+            fragment = FRAGMENT.match(code)
+            if not fragment:
+                continue
+            fragments += 1
+            target = fragment.group(1)
+            self.assertTrue(os.path.isfile(os.path.join(ROOT, target)), f"{path}:{line}: no file {target}")
+            with open(os.path.join(ROOT, path)) as f:
+                page = f.read()
+            link = os.path.relpath(os.path.join(ROOT, target), os.path.dirname(os.path.join(ROOT, path)))
+            self.assertIn(f"]({link})", page, f"{path}:{line}: the page does not link {target}")
+        self.assertGreater(fragments, 0)
+
+    def test_export_and_save_pretrained_key_layouts(self):
+        """Both files of docs/checkpoints.md's key-layout table hold the tensors it counts and load into
+        transformers with equal values."""
+        from safetensors import safe_open
+        from transformers import AutoModelForCausalLM
+
+        (code,) = [code for path, _, _, code in snippets() if TORCHRUN.match(code)
+                   and TORCHRUN.match(code).group(1) == "train_and_save.py"]
+        with open(os.path.join(ROOT, "docs", "checkpoints.md")) as f:
+            page = f.read()
+        counts = {
+            "export": int(re.search(r"^\| `python -m torch_fsdp_ext export` \| (\d+) \|", page, re.M).group(1)),
+            "save_pretrained": int(re.search(r"^\| `save_pretrained\(.*?\)` \| (\d+) \|", page, re.M).group(1)),
+        }
+        with tempfile.TemporaryDirectory() as cwd:
+            with open(os.path.join(cwd, "train_and_save.py"), "w") as f:
+                f.write(code)
+            for command in (
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 "train_and_save.py"],
+                [sys.executable, "-m", "torch_fsdp_ext", "export", "ckpt", "exported"],
+            ):
+                result = run(command, cwd)
+                self.assertEqual(result.returncode, 0, result.stdout[-3000:] + result.stderr[-6000:])
+            shutil.copy(os.path.join(cwd, "release", "config.json"), os.path.join(cwd, "exported"))
+            states = {}
+            for name, folder in (("save_pretrained", "release"), ("export", "exported")):
+                with safe_open(os.path.join(cwd, folder, "model.safetensors"), "pt") as f:
+                    self.assertEqual(len(list(f.keys())), counts[name], name)
+                states[name] = AutoModelForCausalLM.from_pretrained(os.path.join(cwd, folder)).state_dict()
+        self.assertEqual(states["export"].keys(), states["save_pretrained"].keys())
+        for fqn, tensor in states["save_pretrained"].items():
+            self.assertTrue(torch.equal(tensor, states["export"][fqn]), fqn)
 
     def test_snippets_run_as_printed(self):
         ran = 0

@@ -25,7 +25,7 @@ def run_tool(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 class TestTools(TestCase):
     def test_recompute_cases_on_cpu(self):
-        result = run_tool("tools/recompute_cases.py")
+        result = run_tool("tools/reproductions/recompute_cases.py")
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         lines = {line[:32].strip(): line for line in result.stdout.splitlines()}
         self.assertIn("all cases ok with the plugin", result.stdout)
@@ -35,7 +35,7 @@ class TestTools(TestCase):
         self.assertIn("n/a on CPU", lines["2 root, CPU inputs"])
 
     def test_gpu_bench_tiny(self):
-        result = run_tool("tools/gpu_bench.py", "--tiny")
+        result = run_tool("tools/benchmarks/gpu_bench.py", "--tiny")
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         setups = ("(a) workarounds, no plugin", "(b) plugin, no workaround", "(c) needs nothing, no plugin",
                   "(c) needs nothing, plugin")
@@ -45,7 +45,7 @@ class TestTools(TestCase):
         self.assertEqual(rows["(a) workarounds, no plugin"][-1], rows["(b) plugin, no workaround"][-1])
 
     def test_cpu_benchmarks_quick(self):
-        result = run_tool("tools/bench_cpu.py", "all", "--quick")
+        result = run_tool("tools/benchmarks/bench_cpu.py", "all", "--quick")
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         for strategy in ("upcast", "preserve"):
             self.assertIn(
@@ -60,7 +60,7 @@ class TestTools(TestCase):
             self.assertRegex(result.stdout, r"bytes added (\d+) = expected \1 ")
 
     def test_export_bench_quick(self):
-        result = run_tool("tools/bench_export.py", "--quick")
+        result = run_tool("tools/benchmarks/bench_export.py", "--quick")
         # Exit 0 also means every method's result equaled get_model_state_dict + a cast by hand bit for bit.
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         methods = [line.split()[0] for line in result.stdout.splitlines()
@@ -69,7 +69,7 @@ class TestTools(TestCase):
         self.assertRegex(result.stdout, r"streamed extra peak <= 1.1 x largest tensor on every rank: \d")
 
     def test_live_models_cost(self):
-        result = run_tool("tools/live_models_cost.py", "--live", "1", "4")
+        result = run_tool("tools/benchmarks/live_models_cost.py", "--live", "1", "4")
         # Exit 0 also means the plugin's side upcast each timed model at its first AdamW.
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         rows = [line for line in result.stdout.splitlines() if line.startswith(("| 1 |", "| 4 |"))]
@@ -77,7 +77,7 @@ class TestTools(TestCase):
         self.assertIn("plugin's first AdamW with 4 live models / with 1:", result.stdout)
 
     def test_startup_cost_one_round(self):
-        result = run_tool("tools/startup_cost.py", "--rounds", "1")
+        result = run_tool("tools/benchmarks/startup_cost.py", "--rounds", "1")
         # Exit 0: under TORCH_FSDP_EXT_AUTOLOAD=1, a process that imports torch and never FSDP loads no plugin module.
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         rows = {tuple(line.split()[:2]): line.split() for line in result.stdout.splitlines()}
@@ -88,7 +88,7 @@ class TestTools(TestCase):
         # own root, each checkpointed). Without checkpointing no plugin code runs. Where a region cannot need a
         # replay (RecomputeReplay.records_regions), only the six checkpoint-hook wrappers run per region and pass
         # through: FSDP's forward hooks stay torch's own.
-        result = run_tool("tools/bench_instructions.py", "--bytecodes", "--layout", "direct")
+        result = run_tool("tools/benchmarks/bench_instructions.py", "--bytecodes", "--layout", "direct")
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         without, with_checkpoint = result.stdout.split("\nper-block checkpoint\n")
         # Where the reduce fix is installed (up to 2.14), its one foreach_reduce wrapper runs once per group
@@ -116,7 +116,7 @@ class TestTools(TestCase):
 
     @unittest.skipIf(
         shutil.which("valgrind") is None or shutil.which("callgrind_control") is None,
-        "valgrind (callgrind) is not installed: tools/bench_instructions.py counts with it",
+        "valgrind (callgrind) is not installed: tools/benchmarks/bench_instructions.py counts with it",
     )
     @unittest.skipIf(
         torch.version.cuda is not None,
@@ -127,7 +127,7 @@ class TestTools(TestCase):
         # unpatched and of patched, each at 3 address shifts, no checkpointing. The tool exits 1 when the plugin
         # adds more than the bound per FSDP forward beyond the spread over the shifts (where things lie in memory
         # moves a count by tens of thousands of instructions per step).
-        result = run_tool("tools/bench_instructions.py", "--quick", timeout=1200)
+        result = run_tool("tools/benchmarks/bench_instructions.py", "--quick", timeout=1200)
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         row = next(line for line in result.stdout.splitlines() if line.strip().startswith("no checkpoint"))
         cells = re.split(r"\s{2,}", row.strip())

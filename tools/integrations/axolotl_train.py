@@ -14,7 +14,7 @@ run of a YAML config as users write one (``bf16: true``, ``fsdp_version: 2``, ``
 
 axolotl is GPU-only as shipped; each rank switches on what its CPU path lacks, as on a GPU: ``ACCELERATE_USE_CPU``
 (axolotl resets accelerate's state before building the Accelerator), ``TrainingArguments.use_cpu`` (axolotl has no
-key for it), a CPU device mesh (axolotl builds it on "cuda"), and, as tools/hf_trainer_resume.py does, the
+key for it), a CPU device mesh (axolotl builds it on "cuda"), and, as tools/integrations/hf_trainer_resume.py does, the
 Accelerator's FSDP plugin, with the ``MixedPrecisionPolicy`` that ``bf16: true`` gives it, and ``distributed_type =
 FSDP`` (accelerate uses FSDP only on an accelerator). axolotl's final ``save_pretrained`` is skipped: on CPU ranks it
 fails in safetensors' shared-tensor check (``Attempted to access the data pointer on an invalid python storage``).

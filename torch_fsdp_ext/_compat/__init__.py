@@ -448,7 +448,7 @@ def param_groups_of(state: Any) -> list[Any]:
     on every attribute access on it is a dict lookup. FSDP states are such objects
     and FSDP reads their attributes many times per step: reading the ``__dict__`` of
     each state once cost ~80k instructions per step on 8 blocks, for the rest of the
-    run (``tools/bench_instructions.py``).
+    run (``tools/benchmarks/bench_instructions.py``).
     """
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:

@@ -1,6 +1,6 @@
 """The TP mantissa witness (pytorch#190626): a TP-replicated weight's gradient after FSDP2's reduction.
 
-    python tools/tp_witness.py
+    python tools/reproductions/tp_witness.py
 
 Two gloo ranks on CPU, a (dp=1, tp=2) mesh, a ``SequenceParallel`` weight, ``fully_shard`` with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``. Rank 0 contributes 1.0 to the weight's
@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from torch_fsdp_ext import _compat  # noqa: E402
 from torch_fsdp_ext._reduce._grad_dtype import GradDtypeAtBirth  # noqa: E402

@@ -1,7 +1,7 @@
 """Peak host memory and time of shipping a model as loaded, side by side, on 2 CPU gloo ranks.
 
-    python tools/bench_export.py            # a 117M-parameter bf16 model with fp32 norms; exit 1 if a bound is missed
-    python tools/bench_export.py --quick    # smoke test: a small model, bounds not enforced
+    python tools/benchmarks/bench_export.py # a 117M-parameter bf16 model with fp32 norms; exit 1 if a bound is missed
+    python tools/benchmarks/bench_export.py --quick    # smoke test: a small model, bounds not enforced
 
 After one upcast training step (fp32 masters), each rank measures, in turn:
 

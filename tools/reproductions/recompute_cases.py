@@ -1,6 +1,6 @@
 """Checkpoint-recompute cases under FSDP2, each run without and with the plugin.
 
-    python tools/recompute_cases.py            # NCCL + CUDA when a GPU exists, else gloo on CPU
+    python tools/reproductions/recompute_cases.py            # NCCL + CUDA when a GPU exists, else gloo on CPU
 
 Runs the seed script of pytorch#148831 as written (FSDP1 and FSDP2, world size 1)
 and the eight checkpoint flavours of issue 4, and prints one line per case:

@@ -1,15 +1,19 @@
 """CPU benchmarks of the plugin's cost, patched vs unpatched side by side in one run.
 
-    python tools/bench_cpu.py all            # every section, with its bounds (exit 1 if one is missed)
-    python tools/bench_cpu.py overhead       # hook overhead: ratio and added µs per FSDP module forward
-    python tools/bench_cpu.py breakdown      # where the checkpointed path's added µs go, per hook call
-    python tools/bench_cpu.py memory         # 1,000 checkpointed iterations: peak memory and live objects
-    python tools/bench_cpu.py init           # cost of the dtype upcast vs model.float() before fully_shard
-    python tools/bench_cpu.py scaling        # fake process group: one rank of 1,024 .. 16,384, upcast and preserve
-    python tools/bench_cpu.py preserve       # training-state bytes and step time: model.float(), upcast, preserve
-    python tools/bench_cpu.py decorator      # the FSDP hook wrappers inside vs outside FSDP's dynamo decorator
-    python tools/bench_cpu.py compute-dtype  # fp32 norms in a bf16 group: collectives, step time, loss vs fp32
-    python tools/bench_cpu.py all --quick    # smoke test (CI): tiny sizes, bounds not enforced
+    python tools/benchmarks/bench_cpu.py all            # every section, with its bounds (exit 1 if one is missed)
+    python tools/benchmarks/bench_cpu.py overhead       # hook overhead: ratio and added µs per FSDP module forward
+    python tools/benchmarks/bench_cpu.py breakdown      # where the checkpointed path's added µs go, per hook call
+    python tools/benchmarks/bench_cpu.py memory         # 1,000 checkpointed iterations: peak memory and live objects
+    python tools/benchmarks/bench_cpu.py init           # cost of the dtype upcast vs model.float() before fully_shard
+    python tools/benchmarks/bench_cpu.py scaling        # fake process group: one rank of 1,024 .. 16,384, upcast and
+                                                        # preserve
+    python tools/benchmarks/bench_cpu.py preserve       # training-state bytes and step time: model.float(), upcast,
+                                                        # preserve
+    python tools/benchmarks/bench_cpu.py decorator      # the FSDP hook wrappers inside vs outside FSDP's dynamo
+                                                        # decorator
+    python tools/benchmarks/bench_cpu.py compute-dtype  # fp32 norms in a bf16 group: collectives, step time, loss vs
+                                                        # fp32
+    python tools/benchmarks/bench_cpu.py all --quick    # smoke test (CI): tiny sizes, bounds not enforced
 
 Note: patched and unpatched runs alternate in blocks inside one process (and, for
 world size 2, in lockstep on both ranks), so both see the same machine state.

@@ -1,7 +1,7 @@
 """Step time and peak memory of a ~1B Llama-like model under FSDP2: plugin vs the manual workarounds.
 
-    python tools/gpu_bench.py            # H200-sized run: NCCL, world size 1 (about 10 minutes of device time)
-    python tools/gpu_bench.py --tiny     # tiny model on CPU with gloo: checks the script end to end
+    python tools/benchmarks/gpu_bench.py # H200-sized run: NCCL, world size 1 (about 10 minutes of device time)
+    python tools/benchmarks/gpu_bench.py --tiny     # tiny model on CPU with gloo: checks the script end to end
 
 Setups, each side by side in one run (bf16 weights with fp32 norms unless noted;
 param_dtype=bf16, reduce_dtype=fp32, per-block non-reentrant checkpointing, AdamW):

@@ -1,6 +1,6 @@
 """Instructions the reduce fix adds per group reduce, counted by callgrind.
 
-    python tools/reduce_instructions.py
+    python tools/benchmarks/reduce_instructions.py
 
 Counts 100 calls of ``foreach_reduce`` as ``FSDPParamGroup.post_backward`` calls it (positionally, the group's
 orig dtype fp32, its reduce dtype fp32 or None) with a group of N fp32 gradients (one dtype: the path of every step without
@@ -53,8 +53,8 @@ def count(patched: bool, n: int, reduce_dtype: str) -> int:
 def main() -> None:
     os.environ["PYTHONHASHSEED"] = "0"
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
-    os.environ["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + \
-        os.environ.get("PYTHONPATH", "")
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.environ["PYTHONPATH"] = checkout + os.pathsep + os.environ.get("PYTHONPATH", "")
     print(f"torch {torch.__version__}")
     print("| reduce_dtype | gradients in the group | unpatched, per call | patched, per call | added per group reduce |")
     print("|---|---|---|---|---|")

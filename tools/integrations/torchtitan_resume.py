@@ -1,6 +1,6 @@
 """torchtitan 0.3.0: a ``CheckpointManager`` resume of a mixed-dtype Llama, bit for bit, with the plugin.
 
-    PYTHONPATH=. python tools/torchtitan_resume.py
+    PYTHONPATH=. python tools/integrations/torchtitan_resume.py
 
 Model: torchtitan's ``debugmodel`` Llama 3 flavour cut to 2 layers, parameters in bf16 with the RMSNorm weights in
 fp32 (a bf16 checkpoint that keeps its norms in fp32), parallelised by torchtitan's own ``parallelize_llama`` (full
@@ -35,7 +35,7 @@ import sys
 import tempfile
 import types
 
-from resume_table import HEADER, compare  # tools/, this script's folder
+from _resume_table import HEADER, compare  # this script's folder
 
 STEPS = 4
 RESUME_STEP = 2

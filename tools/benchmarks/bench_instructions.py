@@ -1,15 +1,23 @@
 """Instructions the plugin adds per FSDP forward, counted by callgrind: deterministic where time is not.
 
-    python tools/bench_instructions.py                # world 1 and 2, no / per-block checkpoint, 2 address shifts,
-                                                      # mixed model, per-wrapper breakdown; exit 1 on a missed bound
-    python tools/bench_instructions.py --world 1 --no-aa --no-breakdown --no-mixed   # the four counts of world 1
-    python tools/bench_instructions.py --functions 25 # also the C functions whose counts the plugin changes most
-    python tools/bench_instructions.py --quick        # CI form: world 1, no checkpoint, 2 steps, 3 shifts; bound
-    python tools/bench_instructions.py --quick --reduce-dtype float32   # the same with reduce_dtype=fp32
-    python tools/bench_instructions.py --bytecodes    # no valgrind, seconds: the plugin's Python bytecodes per step
-    python tools/bench_instructions.py --layout roots # each checkpointed block is called directly, its own root
-    python tools/bench_instructions.py --layout direct --world 1 --no-mixed   # the same under a sharded Stack that
-                                                      # never runs (each block its own root), with its breakdown
+    python tools/benchmarks/bench_instructions.py                 # world 1 and 2, no / per-block checkpoint, 2 address
+                                                                  # shifts, mixed model, per-wrapper breakdown; exit 1
+                                                                  # on a missed bound
+    python tools/benchmarks/bench_instructions.py --world 1 --no-aa --no-breakdown --no-mixed
+                                                                  # the four counts of world 1
+    python tools/benchmarks/bench_instructions.py --functions 25  # also the C functions whose counts the plugin changes
+                                                                  # most
+    python tools/benchmarks/bench_instructions.py --quick         # CI form: world 1, no checkpoint, 2 steps, 3 shifts;
+                                                                  # bound
+    python tools/benchmarks/bench_instructions.py --quick --reduce-dtype float32
+                                                                  # the same with reduce_dtype=fp32
+    python tools/benchmarks/bench_instructions.py --bytecodes     # no valgrind, seconds: the plugin's Python bytecodes
+                                                                  # per step
+    python tools/benchmarks/bench_instructions.py --layout roots  # each checkpointed block is called directly, its own
+                                                                  # root
+    python tools/benchmarks/bench_instructions.py --layout direct --world 1 --no-mixed
+                                                                  # the same under a sharded Stack that never runs (each
+                                                                  # block its own root), with its breakdown
 
 Each count is ``torch.utils.benchmark.Timer(...).collect_callgrind()`` of 10 training steps (forward,
 ``.sum().backward()``) of a stack of 8 blocks (``Linear(32, 32)``), each ``fully_shard``-ed, plus the root,

@@ -1,7 +1,7 @@
 """What ``TORCH_FSDP_EXT_AUTOLOAD=1`` costs a process, side by side with the variable unset.
 
-    python tools/startup_cost.py            # 10 rounds; exit 1 if a process that never imports FSDP pays anything
-    python tools/startup_cost.py --rounds 3
+    python tools/benchmarks/startup_cost.py # 10 rounds; exit 1 if a process that never imports FSDP pays anything
+    python tools/benchmarks/startup_cost.py --rounds 3
 
 For ``import torch`` (a process that never uses FSDP: pip's build step, a data worker,
 ``python -c``) and for ``import torch.distributed.fsdp`` (a training process), each round

@@ -1,7 +1,7 @@
 """Support matrix: for each torch release, a fresh venv, the test suite and ``doctor``; one row each.
 
-    python tools/matrix.py 2.5.1 2.13.0 2.15.0          # appends rows to tools/matrix_results.md
-    python tools/matrix.py --keep-venvs 2.12.1          # keep the venv (default: removed, they are GBs)
+    python tools/matrix/matrix.py 2.5.1 2.13.0 2.15.0          # appends rows to tools/matrix/matrix_results.md
+    python tools/matrix/matrix.py --keep-venvs 2.12.1          # keep the venv (default: removed, they are GBs)
 
 Each row: release, whether each seed failure reproduces without the plugin and is fixed
 with it (from doctor's live self-test), test counts and wall time. torch 2.15 needs
@@ -20,8 +20,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "tools", "matrix_results.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, "tools", "matrix", "matrix_results.md")
 HEADER = (
     "| torch | dtype bug without plugin | fixed with plugin | recompute bug without plugin | fixed with plugin "
     "| tests passed / failed / skipped | wall time | notes | date |\n|---|---|---|---|---|---|---|---|---|\n"

@@ -1,7 +1,7 @@
 """The orders that once diverged from the hand workaround (model.float() before fully_shard), each run on
 the plugin found on PYTHONPATH against that workaround, on 2 gloo ranks:
 
-    PYTHONPATH=<a checkout> torchrun --nproc-per-node 2 tools/order_findings.py
+    PYTHONPATH=<a checkout> torchrun --nproc-per-node 2 tools/reproductions/order_findings.py
 
 It prints one line per order: "trains bit for bit as the workaround", or what went wrong. Orders 9 and 10
 (the plugin installed after weights were loaded) cannot train as the workaround: their line says whether the
@@ -9,7 +9,7 @@ plugin said so.
 test/test_orders.py asserts the same orders (and generates many more).
 """
 import os, sys, tempfile, unittest
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "test"))
 import torch.distributed as dist
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -1,6 +1,6 @@
 """The reduce fix's cases, each run without and with the plugin on 2 gloo ranks.
 
-    python tools/reduce_cases.py
+    python tools/reproductions/reduce_cases.py
 
 One fp32 model (``a`` used on every micro-batch, ``b`` where the case says) in one ``fully_shard`` group with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, one line per case: the outcome without the plugin

@@ -1,9 +1,12 @@
 """Fault probes (issue 13): run a faulty job's scenario on 2 gloo CPU ranks and print what happened.
 
-    python tools/fault_probe.py unshard-cycles      # collectives over 200 x 3 explicit unshard()/reshard()
-    python tools/fault_probe.py rank-local-unshard  # rank 0 alone calls unshard() between forward and backward
-    python tools/fault_probe.py plugin-on-rank-0    # rank 1 runs without the plugin; nothing to fix
-    python tools/fault_probe.py thread-toggle       # install()/uninstall() from a 2nd thread while training
+    python tools/reproductions/fault_probe.py unshard-cycles      # collectives over 200 x 3 explicit
+                                                                  # unshard()/reshard()
+    python tools/reproductions/fault_probe.py rank-local-unshard  # rank 0 alone calls unshard() between forward and
+                                                                  # backward
+    python tools/reproductions/fault_probe.py plugin-on-rank-0    # rank 1 runs without the plugin; nothing to fix
+    python tools/reproductions/fault_probe.py thread-toggle       # install()/uninstall() from a 2nd thread while
+                                                                  # training
 
 The scenarios use only the public API, so the same command measures another checkout
 (``PYTHONPATH=<checkout>``) that has ``torch_fsdp_ext._rank_end``, whose ``end_rank`` ends each

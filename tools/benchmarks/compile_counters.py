@@ -1,6 +1,6 @@
 """Dynamo's counters under torch.compile, plugin vs manual workaround, for the layouts of test/test_compile.py.
 
-    python tools/compile_counters.py [--backend aot_eager|inductor]
+    python tools/benchmarks/compile_counters.py [--backend aot_eager|inductor]
 
 Two gloo ranks on CPU; rank 0 prints one row per layout and arrangement: graph breaks,
 frames, unique graphs, and whether the losses equal the workaround's bit for bit.
@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from torch_fsdp_ext._rank_end import end_rank
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYOUTS = ("whole", "whole+checkpoint", "block.compile() after fully_shard", "per-block before fully_shard")
 
 

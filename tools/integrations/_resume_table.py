@@ -1,4 +1,4 @@
-"""The rows that tools/torchtitan_resume.py and tools/hf_trainer_resume.py print: two runs' losses and final
+"""The rows that torchtitan_resume.py and hf_trainer_resume.py (this folder) print: two runs' losses and final
 parameters compared bit for bit.
 
 A run's result is ``{"losses": {step: tensor}, "params": {fqn: full tensor}}``; a loss may be a scalar or a

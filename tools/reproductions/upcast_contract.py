@@ -1,6 +1,6 @@
 """The upcast contract per loader and per finding: what the installed torch_fsdp_ext gives, against its reference.
 
-    python tools/upcast_contract.py            # 2 gloo ranks on CPU
+    python tools/reproductions/upcast_contract.py            # 2 gloo ranks on CPU
 
 Each row runs one scenario of test/test_upcast_contract.py on 2 ranks and prints rank 0's
 result against the scenario's no-plugin reference (0 = bit for bit). Point PYTHONPATH at
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "test"))
 
 WORLD_SIZE = 2
 

@@ -1,6 +1,6 @@
 """What a checkpointed step leaves alive with the cyclic garbage collector off: plain torch vs the plugin.
 
-    python tools/recompute_refcount.py
+    python tools/benchmarks/recompute_refcount.py
 
 One row per setup on this torch: 4 FSDP blocks under an FSDP root, each block in a non-reentrant
 ``checkpoint``, SGD. "steps": 10 forward+backward+step; "dropped": 10 forwards whose output is

@@ -1,7 +1,7 @@
 """What the plugin's optimizer step pre-hook costs, in instructions (callgrind), beside the step it runs before.
 
-    python tools/optimizer_hook_cost.py             # 10k and 100k parameters; exit 1 if a bound is missed
-    python tools/optimizer_hook_cost.py --quick     # 1k and 10k parameters
+    python tools/benchmarks/optimizer_hook_cost.py             # 10k and 100k parameters; exit 1 if a bound is missed
+    python tools/benchmarks/optimizer_hook_cost.py --quick     # 1k and 10k parameters
 
 The hook checks parameters the plugin upcast for optimizer state older than the upcast
 (``torch_fsdp_ext/_dtype/_optimizer_state.py``). Per optimizer size, instructions of one hook

@@ -1,7 +1,7 @@
 """How often does a 2-rank gloo job abort at exit ("terminate called without an active exception"),
 and does the recommended end of a rank remove it?
 
-    python tools/exit_probe.py [--runs 20]
+    python tools/reproductions/exit_probe.py [--runs 20]
 
 Plain torch (no plugin), 2 gloo ranks on CPU. The job builds a ``DeviceMesh`` (as ``fully_shard``
 does), runs a few synchronous ``all_reduce`` steps and ends in one of two ways, taken in turn so

@@ -1,7 +1,7 @@
 """The rank-consistency check at thousands of simulated ranks: a real TCPStore server, one client per rank.
 
-    python tools/rank_check_scale.py                      # N = 64, 512, 4096; exit 1 on a missed bound
-    python tools/rank_check_scale.py --ranks 64 512 4096 16384 --params 720 --old-cap 120 --connections 256
+    python tools/benchmarks/rank_check_scale.py                      # N = 64, 512, 4096; exit 1 on a missed bound
+    python tools/benchmarks/rank_check_scale.py --ranks 64 512 4096 16384 --params 720 --old-cap 120 --connections 256
 
 The simulated ranks are spread over ``--connections`` ``TCPStore`` client
 connections (a thread each, in several processes; the server runs in this one):

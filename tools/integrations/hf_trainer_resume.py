@@ -1,6 +1,6 @@
 """HF Trainer ``resume_from_checkpoint`` under accelerate's FSDP2 path, bit for bit, with the plugin.
 
-    PYTHONPATH=. python tools/hf_trainer_resume.py
+    PYTHONPATH=. python tools/integrations/hf_trainer_resume.py
 
 Model: peft LoRA (r=4 on ``q_proj``/``v_proj``, fp32 adapters) on an all-bf16 2-layer ``LlamaForCausalLM`` from a
 ``LlamaConfig`` (no download), its RMSNorms trained as bf16 copies (``modules_to_save``): fp32 and bf16 trainable
@@ -31,8 +31,8 @@ import subprocess
 import sys
 import tempfile
 
-from integrations._accelerate import accelerate_fsdp_on_cpu  # tools/, this script's folder
-from resume_table import HEADER, compare
+from _accelerate import accelerate_fsdp_on_cpu  # this script's folder
+from _resume_table import HEADER, compare
 
 STEPS = 4
 RESUME_STEP = 2

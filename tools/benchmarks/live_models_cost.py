@@ -1,7 +1,7 @@
 """What a model's decisions cost while other FSDP2 models are alive, plugin vs reference, one rank.
 
-    python tools/live_models_cost.py                 # 1, 10, 100 and 1,000 live models, best of 3
-    python tools/live_models_cost.py --live 1 200    # other counts
+    python tools/benchmarks/live_models_cost.py                 # 1, 10, 100 and 1,000 live models, best of 3
+    python tools/benchmarks/live_models_cost.py --live 1 200    # other counts
 
 For each count N, N - 1 other models are sharded and left undecided (built, never given to an
 optimizer nor run: a reference, reward or value model that waits for its turn), then a new model
