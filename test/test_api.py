@@ -31,6 +31,10 @@ def patched_attributes() -> dict[tuple[str, str], object]:
         cell = _compat.decorated_method_cell(out[(owner, name)]) if owner == "FSDPState" else None
         if cell is not None:  # what torch's dynamo decorator calls (switched during checkpoint regions)
             out[(owner, f"{name} (decorated method)")] = cell.cell_contents
+    # The reduce fix's property for unused parameters' zeros (where the release has it).
+    fsdp_param_cls = internals.symbols["FSDPParam"]
+    if "unsharded_zero_grad_data" in fsdp_param_cls.__dict__:
+        out[("FSDPParam", "unsharded_zero_grad_data")] = fsdp_param_cls.__dict__["unsharded_zero_grad_data"]
     # What the dtype fix wraps outside FSDP2: where optimizers and torch.distributed.checkpoint.state_dict
     # reach a model (Note [Optimizers see the upcast]).
     out[("Optimizer", "add_param_group")] = torch.optim.Optimizer.__dict__["add_param_group"]
@@ -72,17 +76,18 @@ class TestInstallUninstall(TestCase):
         changed = [key for key in pristine if patched[key] is not pristine[key]]
         # Every wrapped method but the reduce path of mixed groups (wrapped while such a group
         # lives, test_lifecycle), post_backward (wrapped while a frozen parameter is watched,
-        # test_orders), the param group's lazy_init (the reduce fix's alone) and, where torch's
-        # decorator calls them through a cell, FSDP's pre/post-forward (switched only while a
-        # checkpoint region runs); the recompute fix alone wraps 8. The dtype fix also wraps
-        # Optimizer.add_param_group and three state-dict entry points. The reduce fix wraps
-        # foreach_reduce and the param group's lazy_init where this torch needs it.
+        # test_orders), the param group's lazy_init and FSDPParam.__init__ (the reduce fix's alone)
+        # and, where torch's decorator calls them through a cell, FSDP's pre/post-forward (switched
+        # only while a checkpoint region runs); the recompute fix alone wraps 8. The dtype fix also
+        # wraps Optimizer.add_param_group and three state-dict entry points. The reduce fix wraps the
+        # param group's lazy_init, FSDPParam.__init__ and, where the release reduces unused
+        # parameters, FSDPParam.unsharded_zero_grad_data, where this torch needs it.
         switched = 2 if torch_fsdp_ext._install._active["recompute"][0].switches_hooks else 0
         outside = 1 + len(_compat.state_dict_entry_points())
         self.assertEqual(outside, 4)
         reduce_wraps = len(torch_fsdp_ext.status().fixes["reduce"].wraps)
-        self.assertEqual(reduce_wraps, 2 if "reduce" in torch_fsdp_ext._install._active else 0)
-        expected = (len(_compat.WRAPPED_METHODS) - 4 + outside if HAS_DTYPE_BUG else 8) - switched + reduce_wraps
+        self.assertIn(reduce_wraps, (2, 3) if "reduce" in torch_fsdp_ext._install._active else (0,))
+        expected = (len(_compat.WRAPPED_METHODS) - 5 + outside if HAS_DTYPE_BUG else 8) - switched + reduce_wraps
         self.assertEqual(len(changed), expected)
         for _ in range(1000):
             torch_fsdp_ext.install()
@@ -142,7 +147,7 @@ class TestReadableState(TestCase):
         self.assertExpectedInline(
             usage.getvalue(),
             """\
-usage: python -m torch_fsdp_ext.run [--dtype-strategy STRATEGY] [--compute-in-loaded-dtype MODULES] (SCRIPT | -m MODULE) [ARGS ...]
+usage: python -m torch_fsdp_ext.run [--dtype-strategy STRATEGY] [--compute-in-loaded-dtype MODULES] [--reduce-dtype float32] (SCRIPT | -m MODULE) [ARGS ...]
 python -m torch_fsdp_ext.run: error: no script to run: give a script path, or -m and a module name
 """,
         )
@@ -325,9 +330,8 @@ class TestFreshInterpreter(TestCase):
             _compat_dtype.probe_rejects_mixed_trainable_dtypes = lambda: False  # as if upstream fixed it
             _compat_recompute.probe_recompute_casts_inputs = lambda: True
             _compat_recompute.probe_recompute_moves_inputs = lambda: True
-            _compat_reduce.probe_reduce_rejects_mixed_grad_dtypes = lambda: False
-            _compat_reduce.probe_frozen_first_forward_drops_reduce_dtype = lambda: False
-            _compat_reduce.probe_tp_grad_reduce_dtype = lambda: (torch.float32, "")
+            _compat_reduce.probe_unsharded_grad_dtype = lambda: (torch.float32, "")  # pytorch#197203
+            _compat_reduce.probe_no_sync_reads_missing_unsharded_param = lambda: False
             from torch_fsdp_ext._report import plugin_does
             dtype = torch_fsdp_ext.status().fixes["dtype"]
             print(torch_fsdp_ext.install(), dtype.reason)

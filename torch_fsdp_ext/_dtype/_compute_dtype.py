@@ -531,19 +531,22 @@ def at_lazy_init(group: Any) -> None:
 
 
 def _masters_reduce_in_their_dtype(group: Any) -> None:
-    """Before 2.15: a master weight the plugin made (upcast from a narrower loaded dtype) that computes in a
-    narrower dtype, under a policy without ``reduce_dtype``, accumulates and reduces in its own dtype.
+    """Before 2.15: in a group where the plugin made master weights (upcast from a narrower loaded dtype), under
+    a policy without ``reduce_dtype``, each parameter computed in a narrower dtype accumulates and reduces in
+    its own dtype.
 
     Note: 2.15 makes every such gradient in the parameter's own dtype when the policy sets no
     reduce dtype (``FSDPParam.unsharded_grad_dtype``); a release before keeps it in the compute
-    dtype, so an fp32 master accumulated over micro-batches without sync would sum in bf16. A
-    parameter the plugin did not change keeps its release's rule.
+    dtype, so an fp32 master accumulated over micro-batches without sync would sum in bf16. The
+    whole group takes 2.15's rule, so that its gradients keep one dtype; a group the plugin did
+    not change keeps its release's rule.
     """
+    if not any(_loaded_dtypes.loaded_dtype_of(p) is not None for p in group.fsdp_params):
+        return
     for fsdp_param in group.fsdp_params:
-        loaded = _loaded_dtypes.loaded_dtype_of(fsdp_param)
         if (
-            loaded is not None and fsdp_param.reduce_dtype is None and fsdp_param.param_dtype is not None
-            and loaded.itemsize < fsdp_param.orig_dtype.itemsize
+            fsdp_param.reduce_dtype is None and fsdp_param.param_dtype is not None
+            and fsdp_param.param_dtype.itemsize < fsdp_param.orig_dtype.itemsize
         ):
             fsdp_param.reduce_dtype = fsdp_param.orig_dtype
 
