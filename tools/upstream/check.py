@@ -49,9 +49,11 @@ import ast
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from typing import NamedTuple
@@ -69,6 +71,8 @@ BASE_RELEASE = "2.15.0"
 # Seconds one multi-process test may run (torch's default is 300; a torch-style test with
 # all its subtests takes about a minute on a loaded 2-core machine).
 TEST_TIMEOUT_S = 900
+# Seconds one pytest run may take before it is killed (and fails): a hang is reported, not waited on
+RUN_TIMEOUT_S = 2400
 
 
 class Patch(NamedTuple):
@@ -94,6 +98,9 @@ class Patch(NamedTuple):
     stand_in: str | None = None
     # Whether its tests pass under torch's harness with this patch alone (False: only on the stack)
     harness_alone: bool = True
+    # Times in a row the rehearsal runs its new tests (or its whole new test file) on the stack
+    # with the GPU skip lifted; 0: not rehearsed (see check_rehearsal)
+    rehearsal_runs: int = 0
 
 
 MIXED_PRECISION_TEST = "test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py"
@@ -110,6 +117,7 @@ PATCHES = (
         new_tests="test_mixed_orig_dtypes or test_mixed_float8",
         unpatched_error="FSDP expects uniform original parameter dtype",
         on_cpu_whole_file=True,
+        rehearsal_runs=2,  # gloo processes: no generator shared between ranks
     ),
     Patch(
         "PR 2a",
@@ -126,7 +134,8 @@ PATCHES = (
         (RECOMPUTE_INPUTS_TEST,),
         on_cpu_k="TestFullyShardRecomputeInputs",  # collects and skips: it needs an accelerator
         stand_in="2b",
-        harness_alone=False,  # its root_with_dropout subtest needs PR 2a
+        harness_alone=False,  # its test with dropout needs PR 2a on a GPU
+        rehearsal_runs=5,  # threads: ranks share the process's generators
     ),
 )
 # Project tests run against the stack: PR 1 has the semantics of dtype_strategy="preserve"
@@ -214,8 +223,16 @@ def apply(patch_file: str, tmp: str, *git_apply_args: str) -> bool:
 EXCEPTION_LINE = re.compile(r"^\s*(?:E\s+)?((?:\w+\.)*\w*(?:Error|Exception)\w*: .*)$", re.MULTILINE)
 
 
+# What each failed test printed (its report in pytest's JUnit file), or a pytest run that ended
+# without a report (its output's last lines; always shown): shown after the summary, OUTPUT_CHARS
+# of each, for the tests that a failed step names (not those that had to fail on unpatched torch).
+FAILURE_OUTPUT: list[tuple[str, str, bool]] = []
+OUTPUT_CHARS = 4000
+
+
 def test_results(junit_xml: str) -> dict[str, str | None]:
-    """Each test of a pytest run by name: None if it passed or was skipped, else its (last) exception line."""
+    """Each test of a pytest run by name: None if it passed or was skipped, else its (last) exception
+    line; each failure's report goes to FAILURE_OUTPUT."""
     if not os.path.exists(junit_xml):
         return {}
     results: dict[str, str | None] = {}
@@ -225,6 +242,7 @@ def test_results(junit_xml: str) -> dict[str, str | None]:
         for problem in (*case.iter("failure"), *case.iter("error")):
             text = f"{problem.get('message') or ''}\n{problem.text or ''}"
             results[name] = (EXCEPTION_LINE.findall(text) or text.strip().splitlines() or [""])[-1].strip()[:200]
+            FAILURE_OUTPUT.append((name, text.strip()[-OUTPUT_CHARS:], False))
     return results
 
 
@@ -252,12 +270,29 @@ def test_env(tmp: str | None, applied: tuple[str, ...] | None = None, test_file:
 
 
 def pytest(tests: list[str], env: dict[str, str], junit_xml: str, pytest_args: list[str]) -> dict[str, str | None]:
-    """Runs ``tests``; returns each test's result (see ``test_results``)."""
-    subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "--tb=short", f"--junitxml={junit_xml}", *tests, *pytest_args],
-        cwd=ROOT, env=env,
+    """Runs ``tests``; returns each test's result (see ``test_results``). Its output is printed
+    and kept: a run that ends without a report (killed, aborted, or past RUN_TIMEOUT_S, when
+    its process group is killed) leaves no result, and its output's end goes to FAILURE_OUTPUT."""
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "--tb=short", f"--junitxml={junit_xml}", *tests]
+    # Note: its own session, so that a run past its time is killed with its rank processes
+    run = subprocess.Popen(
+        [*command, *pytest_args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
     )
-    return test_results(junit_xml)
+    timer = threading.Timer(RUN_TIMEOUT_S, os.killpg, (run.pid, signal.SIGKILL))
+    timer.start()
+    output: list[str] = []
+    for line in run.stdout:
+        print(line, end="", flush=True)
+        output.append(line)
+    status = run.wait()
+    timer.cancel()
+    results = test_results(junit_xml)
+    if not results:
+        ended = f"killed after {RUN_TIMEOUT_S} s" if status == -signal.SIGKILL else f"exit status {status}"
+        tail = "".join(output)[-OUTPUT_CHARS:]
+        FAILURE_OUTPUT.append((f"pytest {' '.join(os.path.basename(t) for t in tests)} ({ended})", tail, True))
+    return results
 
 
 def failed_tests(results: dict[str, str | None], what: str) -> list[str]:
@@ -478,6 +513,51 @@ def check_stack(pytest_args: list[str]) -> list[str]:
     return failed
 
 
+def skipped_tests(junit_xml: str) -> list[str]:
+    if not os.path.exists(junit_xml):
+        return []
+    return [case.get("name") for case in ET.parse(junit_xml).iter("testcase") if case.find("skipped") is not None]
+
+
+def check_rehearsal(pytest_args: list[str]) -> list[str]:
+    """The torch-style tests the stack adds, as a GPU runner runs them, on CPU, several times in a
+    row: on the stack, with ``skip_if_lt_x_gpu`` lifted (``test_on_cpu.py``: threads where the class
+    uses threads, gloo processes where it uses processes). A test that skips here (other than the
+    NCCL-guarded ones of SKIPPED_ON_CPU) fails the step. It catches what depends on how the ranks
+    run (a race between threads that share one process's generators), not what needs a device:
+    the tensors stay on CPU, so FSDP moves nothing, checkpoint has no device RNG state to restore,
+    and NCCL, streams and device memory are not exercised (the stand-in scenarios and
+    ``--gpu`` cover those). PR 2a's new tests need an accelerator's device module: not rehearsed."""
+    print("\n=== rehearsal: the stack's new torch-style tests on CPU with the GPU skip lifted")
+    on_cpu = os.path.join(HERE, "test_on_cpu.py")
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        copy_sources(tmp)
+        for patch in PATCHES:
+            lay_bases(patch, tmp)
+            if not apply(patch.file, tmp):
+                return [f"{patch.file} on top of the ones before it"]
+        failed += check_imports_patched(tmp, test_env(tmp))
+        if failed:
+            return failed
+        for index, patch in enumerate(PATCHES):
+            if not patch.rehearsal_runs:
+                print(f"{patch.name}: not rehearsed (its new tests need an accelerator's device module)")
+                continue
+            test_file = os.path.join(tmp, patch.upstream_tests[0])
+            env = test_env(tmp, test_file=test_file)
+            k = ["-k", patch.new_tests] if patch.new_tests else []
+            for run in range(1, patch.rehearsal_runs + 1):
+                what = f"{patch.name}, run {run} of {patch.rehearsal_runs}"
+                print(f"{what}: {patch.upstream_tests[0]} {' '.join(k)}")
+                junit_xml = os.path.join(tmp, f"rehearsal{index}_{run}.xml")
+                results = pytest([on_cpu], env, junit_xml, [*k, *pytest_args])
+                failed += failed_tests(results, what)
+                skipped = set(skipped_tests(junit_xml)) - set(SKIPPED_ON_CPU.get(patch.file, ()))
+                failed += [f"{what}: {name} skipped" for name in sorted(skipped)]
+    return failed
+
+
 def report_gloo_exit_abort() -> str:
     """The line of the gloo teardown-abort reproducer, or why it did not run (information only)."""
     script = os.path.join(HERE, GLOO_REPRO)
@@ -504,7 +584,8 @@ def timed(name: str, step, durations: dict[str, float]):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--patch", choices=[patch.file for patch in PATCHES] + ["stack"], help="check only this patch (or the stack)"
+        "--patch", choices=[patch.file for patch in PATCHES] + ["stack", "rehearsal"],
+        help="check only this patch (or the stack, or the rehearsal)",
     )
     parser.add_argument("--gpu", action="store_true", help="only the checks that need an accelerator (see check_gpu)")
     args, pytest_args = parser.parse_known_args()  # everything else goes to pytest (e.g. -x)
@@ -518,6 +599,7 @@ def main() -> int:
         print(f"\n=== summary\naccelerator checks: {'FAILED' if failed else 'ok'} ({durations['gpu']:.0f} s)")
         for what in failed:
             print(f"  failed: {what}")
+        print_failure_output(failed)
         return 1 if failed else 0
     failures = {
         patch.name: timed(patch.name, lambda patch=patch: check_patch(patch, pytest_args), durations)
@@ -530,6 +612,8 @@ def main() -> int:
         failures[name] = timed(name, check_stand_in_unpatched, durations)
     if args.patch in (None, "stack"):
         failures["stack"] = timed("stack", lambda: check_stack(pytest_args), durations)
+    if args.patch in (None, "rehearsal"):
+        failures["rehearsal"] = timed("rehearsal", lambda: check_rehearsal(pytest_args), durations)
     if args.patch is None:
         print(f"\n=== {GLOO_REPRO}, for information (not a check)")
         gloo = timed(GLOO_REPRO, report_gloo_exit_abort, durations)
@@ -541,7 +625,15 @@ def main() -> int:
             print(f"  failed: {what}")
     if gloo is not None:
         print(f"{GLOO_REPRO} (information): {gloo} ({durations[GLOO_REPRO]:.0f} s)")
+    print_failure_output([line for failed in failures.values() for line in failed])
     return 1 if any(failures.values()) else 0
+
+
+def print_failure_output(failed: list[str]) -> None:
+    """The output of each failed test that a line of ``failed`` names, and of each run without a report."""
+    for name, output, always in FAILURE_OUTPUT:
+        if always or any(re.search(rf"\b{re.escape(name)}\b", line) for line in failed):
+            print(f"\n=== output of {name}\n{output}")
 
 
 if __name__ == "__main__":
