@@ -62,10 +62,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 # The installed torch's sources the patches change, relative to torch's repository root
 SOURCES = ("torch/distributed/fsdp/_fully_shard", "torch/utils/checkpoint.py")
-# The pytorch/pytorch commits of the test files stored here for the patches' test hunks
+# The pytorch/pytorch commits of the files stored here for the patches' hunks outside torch's package
 UPSTREAM_TEST_COMMITS = {
     "upstream_test_fully_shard_mixed_precision.py": "003a6c0a80952ae0ecfe7827b7b0d3c0515e4d25",
     "upstream_test_utils.py": "0025348e03d0307b815c0043b702e2a64c2ef752",
+    "upstream_checkpoint.md": "05382727fd08ac518afece33a69e4bb72c2d2cab",
 }
 BASE_RELEASE = "2.15.0"
 # Seconds one multi-process test may run (torch's default is 300; a torch-style test with
@@ -81,8 +82,8 @@ class Patch(NamedTuple):
     # Test files the patch changes or adds, relative to torch's repository root; the first is
     # run as torch's harness runs it where there is an accelerator
     upstream_tests: tuple[str, ...]
-    # Test files the patch changes, each with the file in tools/upstream/ (its text at an
-    # upstream commit, since torch does not ship its tests) laid there before the patch
+    # Files the patch changes that torch does not ship (tests, docs), each with the file in
+    # tools/upstream/ (its text at an upstream commit) laid there before the patch
     bases: tuple[tuple[str, str], ...] = ()
     # The tests the patch adds, as a pytest -k expression
     new_tests: str | None = None
@@ -123,7 +124,7 @@ PATCHES = (
         "PR 2a",
         "pr2a-checkpoint-current-device-rng.patch",
         (UTILS_TEST,),
-        bases=((UTILS_TEST, "upstream_test_utils.py"),),
+        bases=((UTILS_TEST, "upstream_test_utils.py"), ("docs/source/checkpoint.md", "upstream_checkpoint.md")),
         new_tests="test_checkpoint_rng_gpu_cpu_args or test_checkpoint_rng_gpu_state_reads",
         on_cpu_k="TestCheckpoint",
         stand_in="2a",
