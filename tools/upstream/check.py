@@ -1,7 +1,7 @@
 """Prove that each upstream PR alone fixes its failure, and the stack, without touching the installed torch.
 
     python tools/upstream/check.py            # on torch 2.15.0, the release the patches are against
-    python tools/upstream/check.py --patch pr2a-checkpoint-current-device-rng.patch  # one step (or: stack)
+    python tools/upstream/check.py --patch pr2a-checkpoint-current-device-rng.patch  # one step (or: stack, rehearsal)
     python tools/upstream/check.py --gpu      # only what needs an accelerator (gpu_check.sh runs it)
     python tools/upstream/check.py -x         # other arguments go to every pytest run of the patches
 
@@ -11,7 +11,7 @@ The patches (``PATCHES``; each touches its own files, so they apply in any order
   into torch's ``test_fully_shard_mixed_precision.py``;
 - PR 2a, ``pr2a-checkpoint-current-device-rng.patch``: checkpoint restores the current
   accelerator's RNG state for regions whose tensor arguments are not on it; tests in
-  ``test/test_utils.py``;
+  ``test/test_utils.py``, the RNG paragraph of ``docs/source/checkpoint.md``;
 - PR 2b, ``pr2b-fsdp-recompute-input-move.patch``: FSDP2 replays the root's input move in
   recomputation and keeps nested inputs where they are; a new test file. Stacked on 2a.
 
@@ -33,13 +33,17 @@ For each patch alone:
 
 Then the stand-in scenarios on the installed, unpatched torch (the tests in their ``NEEDS`` must
 fail, the others pass); the stack: all patches on one copy, the stand-in scenarios and the
-project tests ``STACK_PROJECT_TESTS``; and, for information only
-(never a failure), torch's gloo teardown abort, counted by ``gloo_exit_abort_repro.py``.
+project tests ``STACK_PROJECT_TESTS``; the rehearsal: on the stack, the torch-style tests the
+stack adds, with the GPU skip lifted on CPU, ``Patch.rehearsal_runs`` times in a row (see
+``check_rehearsal`` for what it cannot stand in for); and, for information only (never a
+failure), torch's gloo teardown abort, counted by ``gloo_exit_abort_repro.py``.
 
 Exits non-zero if any step fails; the summary names each failed step and test (with its
-exception line, e.g. a rank's assertion or a timeout) and how long each step took. Each
-multi-process test may take ``TEST_TIMEOUT_S``; a rank that dies ends its test at once
-(``rank_exit.py``).
+exception line, e.g. a rank's assertion or a timeout) and how long each step took, then
+prints each failed test's report, and the end of the output of any pytest run that left no
+report. Each multi-process test may take ``TEST_TIMEOUT_S``, each pytest run
+``RUN_TIMEOUT_S`` (then it is killed with its ranks and fails); a rank that dies ends its
+test at once (``rank_exit.py``).
 """
 
 from __future__ import annotations
