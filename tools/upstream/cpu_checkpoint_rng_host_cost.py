@@ -8,9 +8,10 @@ and a copy patched by ``pr2a-checkpoint-current-device-rng.patch``: its RNG stat
 CPU tensor (CUDA's generator state is a seed and an offset, 16 bytes), read as a copy and written
 in place. The region's tensor argument is on CPU, the case where the patch adds the current
 device's state. For each implementation (``use_reentrant`` True and False) it counts the device
-module's ``get_rng_state`` / ``set_rng_state`` calls per region and times eager forward +
-backward of one small region, interleaving unpatched and patched, and prints the medians, the
-difference per region and the ratio.
+module's ``get_rng_state`` / ``set_rng_state`` calls per region and measures the CPU time of eager
+forward + backward of one small region (one thread; ``backward`` of a CPU graph runs on the
+calling thread), interleaving unpatched and patched, and prints the medians, the difference per
+region and the ratio.
 
 What it measures: the Python and dispatch work the patch adds per region (the helper, its
 calls, ``fork_rng`` and ``set_device_states`` over one device instead of none). What it does
@@ -85,11 +86,13 @@ def region(x: torch.Tensor) -> torch.Tensor:
 
 
 def run_regions(checkpoint, x: torch.Tensor, use_reentrant: bool, steps: int) -> float:
-    """Seconds per forward + backward of one checkpointed region."""
-    start = time.perf_counter()
+    """CPU seconds of this thread per forward + backward of one checkpointed region."""
+    # Note: the thread's CPU time, not wall time: on a shared machine the wall time of a
+    # measurement mostly counts other processes' turns
+    start = time.thread_time()
     for _ in range(steps):
         checkpoint(region, x, use_reentrant=use_reentrant).sum().backward()
-    return (time.perf_counter() - start) / steps
+    return (time.thread_time() - start) / steps
 
 
 def calls_per_region(device: StandInDevice, checkpoint, x: torch.Tensor, use_reentrant: bool) -> tuple[int, int]:
