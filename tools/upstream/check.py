@@ -1,7 +1,7 @@
 """Prove that each upstream PR alone fixes its failure, and the stack, without touching the installed torch.
 
     python tools/upstream/check.py            # on torch 2.15.0, the release the patches are against
-    python tools/upstream/check.py --patch pr2a-checkpoint-current-device-rng.patch  # one step (or: stack)
+    python tools/upstream/check.py --patch pr2a-checkpoint-current-device-rng.patch  # one step (or: stack, rehearsal)
     python tools/upstream/check.py --gpu      # only what needs an accelerator (gpu_check.sh runs it)
     python tools/upstream/check.py -x         # other arguments go to every pytest run of the patches
 
@@ -11,7 +11,7 @@ The patches (``PATCHES``; each touches its own files, so they apply in any order
   into torch's ``test_fully_shard_mixed_precision.py``;
 - PR 2a, ``pr2a-checkpoint-current-device-rng.patch``: checkpoint restores the current
   accelerator's RNG state for regions whose tensor arguments are not on it; tests in
-  ``test/test_utils.py``;
+  ``test/test_utils.py``, the RNG paragraph of ``docs/source/checkpoint.md``;
 - PR 2b, ``pr2b-fsdp-recompute-input-move.patch``: FSDP2 replays the root's input move in
   recomputation and keeps nested inputs where they are; a new test file. Stacked on 2a.
 
@@ -33,13 +33,17 @@ For each patch alone:
 
 Then the stand-in scenarios on the installed, unpatched torch (the tests in their ``NEEDS`` must
 fail, the others pass); the stack: all patches on one copy, the stand-in scenarios and the
-project tests ``STACK_PROJECT_TESTS``; and, for information only
-(never a failure), torch's gloo teardown abort, counted by ``gloo_exit_abort_repro.py``.
+project tests ``STACK_PROJECT_TESTS``; the rehearsal: on the stack, the torch-style tests the
+stack adds, with the GPU skip lifted on CPU, ``Patch.rehearsal_runs`` times in a row (see
+``check_rehearsal`` for what it cannot stand in for); and, for information only (never a
+failure), torch's gloo teardown abort, counted by ``gloo_exit_abort_repro.py``.
 
 Exits non-zero if any step fails; the summary names each failed step and test (with its
-exception line, e.g. a rank's assertion or a timeout) and how long each step took. Each
-multi-process test may take ``TEST_TIMEOUT_S``; a rank that dies ends its test at once
-(``rank_exit.py``).
+exception line, e.g. a rank's assertion or a timeout) and how long each step took, then
+prints each failed test's report, and the end of the output of any pytest run that left no
+report. Each multi-process test may take ``TEST_TIMEOUT_S``, each pytest run
+``RUN_TIMEOUT_S`` (then it is killed with its ranks and fails); a rank that dies ends its
+test at once (``rank_exit.py``).
 """
 
 from __future__ import annotations
@@ -49,9 +53,11 @@ import ast
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from typing import NamedTuple
@@ -60,15 +66,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 # The installed torch's sources the patches change, relative to torch's repository root
 SOURCES = ("torch/distributed/fsdp/_fully_shard", "torch/utils/checkpoint.py")
-# The pytorch/pytorch commits of the test files stored here for the patches' test hunks
+# The pytorch/pytorch commits of the files stored here for the patches' hunks outside torch's package
 UPSTREAM_TEST_COMMITS = {
     "upstream_test_fully_shard_mixed_precision.py": "003a6c0a80952ae0ecfe7827b7b0d3c0515e4d25",
     "upstream_test_utils.py": "0025348e03d0307b815c0043b702e2a64c2ef752",
+    "upstream_checkpoint.md": "05382727fd08ac518afece33a69e4bb72c2d2cab",
 }
 BASE_RELEASE = "2.15.0"
 # Seconds one multi-process test may run (torch's default is 300; a torch-style test with
 # all its subtests takes about a minute on a loaded 2-core machine).
 TEST_TIMEOUT_S = 900
+# Seconds one pytest run may take before it is killed (and fails): a hang is reported, not waited on
+RUN_TIMEOUT_S = 2400
 
 
 class Patch(NamedTuple):
@@ -77,8 +86,8 @@ class Patch(NamedTuple):
     # Test files the patch changes or adds, relative to torch's repository root; the first is
     # run as torch's harness runs it where there is an accelerator
     upstream_tests: tuple[str, ...]
-    # Test files the patch changes, each with the file in tools/upstream/ (its text at an
-    # upstream commit, since torch does not ship its tests) laid there before the patch
+    # Files the patch changes that torch does not ship (tests, docs), each with the file in
+    # tools/upstream/ (its text at an upstream commit) laid there before the patch
     bases: tuple[tuple[str, str], ...] = ()
     # The tests the patch adds, as a pytest -k expression
     new_tests: str | None = None
@@ -94,6 +103,9 @@ class Patch(NamedTuple):
     stand_in: str | None = None
     # Whether its tests pass under torch's harness with this patch alone (False: only on the stack)
     harness_alone: bool = True
+    # Times in a row the rehearsal runs its new tests (or its whole new test file) on the stack
+    # with the GPU skip lifted; 0: not rehearsed (see check_rehearsal)
+    rehearsal_runs: int = 0
 
 
 MIXED_PRECISION_TEST = "test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py"
@@ -110,12 +122,13 @@ PATCHES = (
         new_tests="test_mixed_orig_dtypes or test_mixed_float8",
         unpatched_error="FSDP expects uniform original parameter dtype",
         on_cpu_whole_file=True,
+        rehearsal_runs=2,  # gloo processes: no generator shared between ranks
     ),
     Patch(
         "PR 2a",
         "pr2a-checkpoint-current-device-rng.patch",
         (UTILS_TEST,),
-        bases=((UTILS_TEST, "upstream_test_utils.py"),),
+        bases=((UTILS_TEST, "upstream_test_utils.py"), ("docs/source/checkpoint.md", "upstream_checkpoint.md")),
         new_tests="test_checkpoint_rng_gpu_cpu_args or test_checkpoint_rng_gpu_state_reads",
         on_cpu_k="TestCheckpoint",
         stand_in="2a",
@@ -126,7 +139,8 @@ PATCHES = (
         (RECOMPUTE_INPUTS_TEST,),
         on_cpu_k="TestFullyShardRecomputeInputs",  # collects and skips: it needs an accelerator
         stand_in="2b",
-        harness_alone=False,  # its root_with_dropout subtest needs PR 2a
+        harness_alone=False,  # its test with dropout needs PR 2a on a GPU
+        rehearsal_runs=5,  # threads: ranks share the process's generators
     ),
 )
 # Project tests run against the stack: PR 1 has the semantics of dtype_strategy="preserve"
@@ -214,8 +228,16 @@ def apply(patch_file: str, tmp: str, *git_apply_args: str) -> bool:
 EXCEPTION_LINE = re.compile(r"^\s*(?:E\s+)?((?:\w+\.)*\w*(?:Error|Exception)\w*: .*)$", re.MULTILINE)
 
 
+# What each failed test printed (its report in pytest's JUnit file), or a pytest run that ended
+# without a report (its output's last lines; always shown): shown after the summary, OUTPUT_CHARS
+# of each, for the tests that a failed step names (not those that had to fail on unpatched torch).
+FAILURE_OUTPUT: list[tuple[str, str, bool]] = []
+OUTPUT_CHARS = 4000
+
+
 def test_results(junit_xml: str) -> dict[str, str | None]:
-    """Each test of a pytest run by name: None if it passed or was skipped, else its (last) exception line."""
+    """Each test of a pytest run by name: None if it passed or was skipped, else its (last) exception
+    line; each failure's report goes to FAILURE_OUTPUT."""
     if not os.path.exists(junit_xml):
         return {}
     results: dict[str, str | None] = {}
@@ -225,6 +247,7 @@ def test_results(junit_xml: str) -> dict[str, str | None]:
         for problem in (*case.iter("failure"), *case.iter("error")):
             text = f"{problem.get('message') or ''}\n{problem.text or ''}"
             results[name] = (EXCEPTION_LINE.findall(text) or text.strip().splitlines() or [""])[-1].strip()[:200]
+            FAILURE_OUTPUT.append((name, text.strip()[-OUTPUT_CHARS:], False))
     return results
 
 
@@ -252,12 +275,29 @@ def test_env(tmp: str | None, applied: tuple[str, ...] | None = None, test_file:
 
 
 def pytest(tests: list[str], env: dict[str, str], junit_xml: str, pytest_args: list[str]) -> dict[str, str | None]:
-    """Runs ``tests``; returns each test's result (see ``test_results``)."""
-    subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "--tb=short", f"--junitxml={junit_xml}", *tests, *pytest_args],
-        cwd=ROOT, env=env,
+    """Runs ``tests``; returns each test's result (see ``test_results``). Its output is printed
+    and kept: a run that ends without a report (killed, aborted, or past RUN_TIMEOUT_S, when
+    its process group is killed) leaves no result, and its output's end goes to FAILURE_OUTPUT."""
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "--tb=short", f"--junitxml={junit_xml}", *tests]
+    # Note: its own session, so that a run past its time is killed with its rank processes
+    run = subprocess.Popen(
+        [*command, *pytest_args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
     )
-    return test_results(junit_xml)
+    timer = threading.Timer(RUN_TIMEOUT_S, os.killpg, (run.pid, signal.SIGKILL))
+    timer.start()
+    output: list[str] = []
+    for line in run.stdout:
+        print(line, end="", flush=True)
+        output.append(line)
+    status = run.wait()
+    timer.cancel()
+    results = test_results(junit_xml)
+    if not results:
+        ended = f"killed after {RUN_TIMEOUT_S} s" if status == -signal.SIGKILL else f"exit status {status}"
+        tail = "".join(output)[-OUTPUT_CHARS:]
+        FAILURE_OUTPUT.append((f"pytest {' '.join(os.path.basename(t) for t in tests)} ({ended})", tail, True))
+    return results
 
 
 def failed_tests(results: dict[str, str | None], what: str) -> list[str]:
@@ -478,6 +518,51 @@ def check_stack(pytest_args: list[str]) -> list[str]:
     return failed
 
 
+def skipped_tests(junit_xml: str) -> list[str]:
+    if not os.path.exists(junit_xml):
+        return []
+    return [case.get("name") for case in ET.parse(junit_xml).iter("testcase") if case.find("skipped") is not None]
+
+
+def check_rehearsal(pytest_args: list[str]) -> list[str]:
+    """The torch-style tests the stack adds, as a GPU runner runs them, on CPU, several times in a
+    row: on the stack, with ``skip_if_lt_x_gpu`` lifted (``test_on_cpu.py``: threads where the class
+    uses threads, gloo processes where it uses processes). A test that skips here (other than the
+    NCCL-guarded ones of SKIPPED_ON_CPU) fails the step. It catches what depends on how the ranks
+    run (a race between threads that share one process's generators), not what needs a device:
+    the tensors stay on CPU, so FSDP moves nothing, checkpoint has no device RNG state to restore,
+    and NCCL, streams and device memory are not exercised (the stand-in scenarios and
+    ``--gpu`` cover those). PR 2a's new tests need an accelerator's device module: not rehearsed."""
+    print("\n=== rehearsal: the stack's new torch-style tests on CPU with the GPU skip lifted")
+    on_cpu = os.path.join(HERE, "test_on_cpu.py")
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        copy_sources(tmp)
+        for patch in PATCHES:
+            lay_bases(patch, tmp)
+            if not apply(patch.file, tmp):
+                return [f"{patch.file} on top of the ones before it"]
+        failed += check_imports_patched(tmp, test_env(tmp))
+        if failed:
+            return failed
+        for index, patch in enumerate(PATCHES):
+            if not patch.rehearsal_runs:
+                print(f"{patch.name}: not rehearsed (its new tests need an accelerator's device module)")
+                continue
+            test_file = os.path.join(tmp, patch.upstream_tests[0])
+            env = test_env(tmp, test_file=test_file)
+            k = ["-k", patch.new_tests] if patch.new_tests else []
+            for run in range(1, patch.rehearsal_runs + 1):
+                what = f"{patch.name}, run {run} of {patch.rehearsal_runs}"
+                print(f"{what}: {patch.upstream_tests[0]} {' '.join(k)}")
+                junit_xml = os.path.join(tmp, f"rehearsal{index}_{run}.xml")
+                results = pytest([on_cpu], env, junit_xml, [*k, *pytest_args])
+                failed += failed_tests(results, what)
+                skipped = set(skipped_tests(junit_xml)) - set(SKIPPED_ON_CPU.get(patch.file, ()))
+                failed += [f"{what}: {name} skipped" for name in sorted(skipped)]
+    return failed
+
+
 def report_gloo_exit_abort() -> str:
     """The line of the gloo teardown-abort reproducer, or why it did not run (information only)."""
     script = os.path.join(HERE, GLOO_REPRO)
@@ -504,7 +589,8 @@ def timed(name: str, step, durations: dict[str, float]):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--patch", choices=[patch.file for patch in PATCHES] + ["stack"], help="check only this patch (or the stack)"
+        "--patch", choices=[patch.file for patch in PATCHES] + ["stack", "rehearsal"],
+        help="check only this patch (or the stack, or the rehearsal)",
     )
     parser.add_argument("--gpu", action="store_true", help="only the checks that need an accelerator (see check_gpu)")
     args, pytest_args = parser.parse_known_args()  # everything else goes to pytest (e.g. -x)
@@ -518,6 +604,7 @@ def main() -> int:
         print(f"\n=== summary\naccelerator checks: {'FAILED' if failed else 'ok'} ({durations['gpu']:.0f} s)")
         for what in failed:
             print(f"  failed: {what}")
+        print_failure_output(failed)
         return 1 if failed else 0
     failures = {
         patch.name: timed(patch.name, lambda patch=patch: check_patch(patch, pytest_args), durations)
@@ -530,6 +617,8 @@ def main() -> int:
         failures[name] = timed(name, check_stand_in_unpatched, durations)
     if args.patch in (None, "stack"):
         failures["stack"] = timed("stack", lambda: check_stack(pytest_args), durations)
+    if args.patch in (None, "rehearsal"):
+        failures["rehearsal"] = timed("rehearsal", lambda: check_rehearsal(pytest_args), durations)
     if args.patch is None:
         print(f"\n=== {GLOO_REPRO}, for information (not a check)")
         gloo = timed(GLOO_REPRO, report_gloo_exit_abort, durations)
@@ -541,7 +630,15 @@ def main() -> int:
             print(f"  failed: {what}")
     if gloo is not None:
         print(f"{GLOO_REPRO} (information): {gloo} ({durations[GLOO_REPRO]:.0f} s)")
+    print_failure_output([line for failed in failures.values() for line in failed])
     return 1 if any(failures.values()) else 0
+
+
+def print_failure_output(failed: list[str]) -> None:
+    """The output of each failed test that a line of ``failed`` names, and of each run without a report."""
+    for name, output, always in FAILURE_OUTPUT:
+        if always or any(re.search(rf"\b{re.escape(name)}\b", line) for line in failed):
+            print(f"\n=== output of {name}\n{output}")
 
 
 if __name__ == "__main__":
