@@ -51,9 +51,16 @@ def give_grad_dtype(fsdp_param: Any, unsharded: torch.Tensor) -> None:
 
 
 def forget_grad_dtype(unsharded: torch.Tensor) -> None:
-    """What a release before 2.15 leaves on an unsharded parameter: gradients in its own dtype."""
-    if unsharded.grad_dtype != unsharded.dtype:
-        unsharded.grad_dtype = unsharded.dtype
+    """What a release before 2.15 leaves on an unsharded parameter: gradients in its own dtype.
+
+    Note: a gradient accumulated in another dtype (``uninstall()`` between micro-batches) is kept,
+    and autograd may not constrain the dtype then (``grad_dtype=None``): later gradients add into it
+    as into torch's own upcast accumulation.
+    """
+    if unsharded.grad_dtype == unsharded.dtype:
+        return
+    grad = unsharded.grad
+    unsharded.grad_dtype = unsharded.dtype if grad is None or grad.dtype == unsharded.dtype else None
 
 
 class GradDtypeAtBirth:
