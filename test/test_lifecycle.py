@@ -31,7 +31,6 @@ from torch_fsdp_ext._compat import _dtype as _compat_dtype
 
 from common import (
     HAS_DTYPE_BUG,
-    HAS_GRAD_DTYPES_BUG,
     ROOT,
     FSDPExtTestCase,
     MixedPrecisionPolicy,
@@ -259,13 +258,12 @@ Fix: move `import torch_fsdp_ext` before fully_shard and before loading the mode
         group_cls = _compat.load_internals().FSDPParamGroup
         reduce_module = _compat.load_internals().fsdp_param_group_module
         wraps_reduce = not _compat_dtype.probe_reduce_casts_grads_per_param()  # releases up to 2.14
-        # torch's own, behind the reduce fix's wrapper that the plugin installed at import where torch needs it
         original_foreach_reduce = _compat.torch_own(reduce_module.foreach_reduce, "foreach_reduce")
         with plugin(True, **PRESERVE):
             original_init_mp_dtypes = group_cls._init_mp_dtypes.__wrapped__
-            # The reduce fix's wrapper where this torch needs it; the dtype fix wraps once a group stays mixed.
+            # The reduce fix wraps no foreach_reduce; the dtype fix wraps it once a group stays mixed.
             installed_foreach_reduce = reduce_module.foreach_reduce
-            self.assertEqual(installed_foreach_reduce is not original_foreach_reduce, HAS_GRAD_DTYPES_BUG)
+            self.assertIs(installed_foreach_reduce, original_foreach_reduce)
             reference = shard_model(mixed_llama(), mp_policy=MP)
             reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
             expected = train_steps(reference, reference_optimizer, self.rank, range(3))

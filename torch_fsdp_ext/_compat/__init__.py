@@ -53,7 +53,8 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("module_state_mapping", "torch.distributed._composable_state", "_module_state_mapping"),
 )
 
-# The symbols above that each fix needs: one missing sets aside only the fixes that need it.
+# The symbols above that each fix needs: one missing sets aside only the fixes that need it. A class
+# stands for all its methods; "Class.method" for that method alone (``_affects``).
 FIX_SYMBOLS: dict[str, frozenset[str]] = {
     "dtype": frozenset({
         "FSDPParamGroup", "FSDPParam", "fsdp_param_group_module", "FSDPState", "MixedPrecisionPolicy",
@@ -63,7 +64,8 @@ FIX_SYMBOLS: dict[str, frozenset[str]] = {
         "FSDPState", "TrainingState", "cast_fp_tensor", "MixedPrecisionPolicy", "apply_to_tensors", "to_kwargs",
         "checkpoint_hook", "recomputation_hook", "CheckpointFrame", "module_state_mapping",
     }),
-    "reduce": frozenset({"FSDPParamGroup", "FSDPParam", "MixedPrecisionPolicy"}),
+    # The reduce fix needs only the group's lazy_init of FSDPParamGroup.
+    "reduce": frozenset({"FSDPParamGroup.lazy_init", "FSDPParam", "MixedPrecisionPolicy"}),
 }
 
 # Methods that the fixes wrap, by the name used above.
@@ -121,19 +123,28 @@ class TorchInternals:
         self.hidden_owners.append(owner)
 
     def hidden_for(self, fix: str) -> list[str]:
-        return [what for what, owner in zip(self.hidden, self.hidden_owners) if owner in FIX_SYMBOLS[fix]]
+        return [what for what, owner in zip(self.hidden, self.hidden_owners) if _affects(owner, fix)]
 
     def missing_for(self, fix: str) -> list[str]:
         """What ``fix`` needs and this torch lacks (everything when there is no FSDP2 package)."""
         if self.fsdp_package is None:
             return list(self.missing)
-        return [what for what, owner in zip(self.missing, self.missing_owners) if owner in FIX_SYMBOLS[fix]]
+        return [what for what, owner in zip(self.missing, self.missing_owners) if _affects(owner, fix)]
 
     def __getattr__(self, name: str) -> Any:
         try:
             return self.__dict__["symbols"][name]
         except KeyError:
             raise AttributeError(name) from None
+
+
+def _affects(owner: str, fix: str) -> bool:
+    """Does a missing or hidden ``owner`` (a symbol, or ``"Symbol.method"``) set aside ``fix``?"""
+    if owner == "*":
+        return True
+    return any(
+        owner == need or owner == need.split(".")[0] or need == owner.split(".")[0] for need in FIX_SYMBOLS[fix]
+    )
 
 
 def _resolve(package: str, module_name: str, attr: str) -> Any:
@@ -163,7 +174,7 @@ def load_internals() -> TorchInternals:
     for owner, method in WRAPPED_METHODS:
         cls = internals.symbols.get(owner)
         if cls is not None and not callable(getattr(cls, method, None)):
-            internals.note_missing(f"{cls.__name__}.{method}", owner)
+            internals.note_missing(f"{cls.__name__}.{method}", f"{owner}.{method}")
     if "FSDPParamGroup" in internals.symbols:
         # Note [Foreign patches]: torch's own constructor is judged, never a wrapper in front of it.
         init = internals.FSDPParamGroup.__init__
@@ -174,13 +185,13 @@ def load_internals() -> TorchInternals:
                 "reference the plugin can follow to torch's own function (__wrapped__, a closure or a global), so "
                 "it cannot see which arguments torch's takes; apply that wrapper after import torch_fsdp_ext, or "
                 "with functools.wraps",
-                "FSDPParamGroup",
+                "FSDPParamGroup.__init__",
             )
         else:
             params = inspect.signature(own).parameters
             for argument in ("params", "mp_policy", "modules"):
                 if argument not in params:
-                    internals.note_missing(f"FSDPParamGroup.__init__ argument {argument!r}", "FSDPParamGroup")
+                    internals.note_missing(f"FSDPParamGroup.__init__ argument {argument!r}", "FSDPParamGroup.__init__")
     return internals
 
 
@@ -645,7 +656,7 @@ def foreign_patches(fix: str) -> list[str]:
     internals = load_internals()
     found = []
     for owner, method in WRAPPED_METHODS:
-        if owner not in FIX_SYMBOLS[fix]:
+        if not _affects(f"{owner}.{method}", fix):
             continue
         obj = internals.symbols.get(owner)
         fn = getattr(obj, method, None) if obj is not None else None
