@@ -325,9 +325,9 @@ class TestReduceFixInstall(TestCase):
         active = torch_fsdp_ext.install(["reduce"])
         fix = torch_fsdp_ext.status().fixes["reduce"]
         parts = fix.details["parts"]
-        self.assertEqual(parts["gradient dtype at birth"], "torch_fsdp_ext" if HAS_GRAD_DTYPES_BUG else "upstream")
-        self.assertEqual(parts["unit that never ran"], "torch_fsdp_ext" if HAS_GRAD_DTYPES_BUG else "upstream")
-        self.assertEqual(parts["fp32 reduction (setting)"], "off")
+        self.assertEqual(parts["gradients in reduce_dtype"], "torch_fsdp_ext" if HAS_GRAD_DTYPES_BUG else "upstream")
+        self.assertEqual(parts["units that never ran"], "torch_fsdp_ext" if HAS_GRAD_DTYPES_BUG else "upstream")
+        self.assertEqual(parts["fp32 reduction"], "off")
         # Note [Gradients born in the reduce dtype]: nothing wraps the reduce itself.
         self.assertIs(internals.fsdp_param_group_module.foreach_reduce, foreach_reduce)
         if HAS_GRAD_DTYPES_BUG:
@@ -355,7 +355,7 @@ class TestReduceFixInstall(TestCase):
         with torch_fsdp_ext.installed(["reduce"], reduce_dtype="float32"):
             fix = torch_fsdp_ext.status().fixes["reduce"]
             self.assertTrue(fix.active)
-            self.assertEqual(fix.details["parts"]["fp32 reduction (setting)"], "torch_fsdp_ext")
+            self.assertEqual(fix.details["parts"]["fp32 reduction"], "torch_fsdp_ext")
             self.assertEqual(fix.details["reduce_dtype"], "float32")
             self.assertIsNot(internals.FSDPParamGroup.__dict__["lazy_init"], lazy_init)
         self.assertIs(internals.FSDPParamGroup.__dict__["lazy_init"], lazy_init)
@@ -369,8 +369,8 @@ class TestReduceFixInstall(TestCase):
         row = next(line for line in text.splitlines() if line.startswith("reduce "))
         if HAS_GRAD_DTYPES_BUG:
             self.assertRegex(row, r"^reduce\s+yes\s+yes")
-            self.assertIn("reduce: the plugin fixes the gradient dtype at birth, the unit that never ran and the "
-                          "grad_dtype set before fully_shard.", text)
+            self.assertIn("reduce: the plugin fixes the gradients in reduce_dtype, the units that never ran and the "
+                          "grad_dtype before fully_shard.", text)
         else:
             self.assertRegex(row, r"^reduce\s+no\s+no")
 

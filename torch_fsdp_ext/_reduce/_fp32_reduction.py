@@ -30,7 +30,7 @@ class Fp32Reduction:
     accumulated and reduced in fp32 (on releases before 2.15, through the gradient-dtype part).
     """
 
-    name = "fp32 reduction (setting)"
+    name = "fp32 reduction"
     summary = "policies with no or a 16-bit reduce_dtype accumulate and reduce in fp32 (opt-in)"
 
     def __init__(self, internals: _compat.TorchInternals, reduce_dtype: torch.dtype | None) -> None:

@@ -66,7 +66,7 @@ def forget_grad_dtype(unsharded: torch.Tensor) -> None:
 class GradDtypeAtBirth:
     """Each unsharded parameter's ``grad_dtype``, and unused parameters' zero placeholders in it."""
 
-    name = "gradient dtype at birth"
+    name = "gradients in reduce_dtype"
     summary = "unsharded gradients are born in reduce_dtype (pytorch#197203), as torch 2.15 makes them"
 
     def __init__(self, internals: _compat.TorchInternals) -> None:

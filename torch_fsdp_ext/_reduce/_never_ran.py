@@ -22,7 +22,7 @@ class NeverRanUnits:
     in ``_fix``): no cost once a unit has run.
     """
 
-    name = "unit that never ran"
+    name = "units that never ran"
     summary = "a unit that has not run forward is skipped in a backward without sync, as torch 2.15 does"
 
     def __init__(self, internals: _compat.TorchInternals) -> None:

@@ -27,7 +27,7 @@ class UserGradDtype:
     group where only some do is refused by name (2.15 alone reduces per parameter there).
     """
 
-    name = "grad_dtype set before fully_shard"
+    name = "grad_dtype before fully_shard"
     summary = "a parameter's own grad_dtype (pytorch#170648) is kept by fully_shard, as torch 2.15 keeps it"
 
     def __init__(self, internals: _compat.TorchInternals) -> None:
