@@ -10,7 +10,7 @@ import textwrap
 
 from torch.testing._internal.common_utils import TestCase, run_tests
 
-from common import HAS_DTYPE_BUG, HAS_FROZEN_BUG, HAS_GRAD_DTYPES_BUG, HAS_RECOMPUTE_CAST_BUG, ROOT
+from common import HAS_DTYPE_BUG, HAS_GRAD_DTYPES_BUG, HAS_RECOMPUTE_CAST_BUG, ROOT
 
 
 # Installed as sitecustomize.py, it hides numpy from every interpreter the command starts (its ranks too), as
@@ -55,14 +55,12 @@ def table(stdout: str) -> str:
     return "\n".join(lines[start:end])
 
 
-# The reduce fix's row, by (this torch has the mixed-gradient-dtype failure, the frozen-first-forward failure).
+# The reduce fix's row, by whether this torch makes unsharded gradients in the compute dtype (up to 2.14).
 REDUCE_ROWS = {
-    (True, True): "reduce     yes     yes     AssertionError → fixed                "
-                  "fixes mixed gradient dtypes, frozen first forward, TP all-reduce",  # 2.12, 2.13
-    (True, False): "reduce     partly  yes     AssertionError → fixed                "
-                   "fixes mixed gradient dtypes, TP all-reduce (torch: frozen first forward)",  # 2.14
-    (False, False): "reduce     no      no      no failure → runs                     "
-                    "this torch reduces each of these cases in the reduce dtype itself",  # 2.15
+    True: "reduce     yes     yes     AssertionError → fixed                "
+          "fixes gradients in reduce_dtype, units that never ran, grad_dtype before fully_shard",  # 2.12 - 2.14
+    False: "reduce     no      no      no failure → runs                     "
+           "this torch makes, accumulates and reduces gradients in reduce_dtype itself",  # 2.15
 }
 
 
@@ -75,7 +73,7 @@ class TestDoctor(TestCase):
         self.assertEqual([l for l in result.stdout.splitlines() if len(l) > 160], [], "lines a terminal wraps")
         rows = table(result.stdout).splitlines()
         reduce_row = next(row for row in rows if row.startswith("reduce "))
-        self.assertEqual(reduce_row, REDUCE_ROWS[HAS_GRAD_DTYPES_BUG, HAS_FROZEN_BUG])
+        self.assertEqual(reduce_row, REDUCE_ROWS[HAS_GRAD_DTYPES_BUG])
         others = "\n".join(row for row in rows if row is not reduce_row)
         if HAS_DTYPE_BUG and HAS_RECOMPUTE_CAST_BUG:  # e.g. torch 2.12
             self.assertExpectedInline(
@@ -99,7 +97,7 @@ recompute  partly  yes     no failure → runs                     replays root 
                 readme = f.read()
             for line in others.splitlines():
                 self.assertIn(f"    {line}\n", readme)
-            if HAS_GRAD_DTYPES_BUG and HAS_FROZEN_BUG:  # 2.13, whose table README shows
+            if HAS_GRAD_DTYPES_BUG:  # the same row on 2.12 - 2.14; README shows 2.13's table
                 self.assertIn(f"    {reduce_row}\n", readme)
         else:
             self.skipTest("no expected table for a torch without the dtype bug")
