@@ -304,6 +304,21 @@ class TestReduceFixOnEveryRank(FSDPExtTestCase):
         ), str(caught.exception))
 
 
+    def test_a_rank_without_the_fp32_reduction_setting_fails_on_every_rank_naming_it(self):
+        with plugin(True):
+            if self.rank == 0:
+                torch_fsdp_ext.install(reduce_dtype="float32")
+            try:
+                model = shard_model(seed_000_model(), mp_policy=MP)
+                with self.assertRaises(torch_fsdp_ext.MixedParamDtypeError) as caught:
+                    model(batch(self.rank, 0))
+            finally:
+                torch_fsdp_ext.install(reduce_dtype=None)
+        self.assertTrue(str(caught.exception).startswith(
+            "torch_fsdp_ext: fix 'reduce_dtype=float32' is installed on rank(s) 0 and not on rank(s) 1"
+        ), str(caught.exception))
+
+
 @plugin_specific
 class TestReduceFixInstall(TestCase):
     def setUp(self) -> None:

@@ -69,7 +69,10 @@ def _make_fix(name: str, internals: _compat.TorchInternals, dtype_strategy: str)
 
 
 def _installed_names() -> tuple[str, ...]:
-    return tuple(n for n in FIX_NAMES if n in _active)
+    """The fixes installed, as the ranks compare them; the fp32 reduction setting counts as one (a rank that
+    reduces in another dtype than its peers would hand the collective buffers of another size)."""
+    names = tuple(n for n in FIX_NAMES if n in _active)
+    return names + ("reduce_dtype=float32",) if "reduce" in names and _reduce_dtype is not None else names
 
 
 def _check_names(fixes: Iterable[str] | None) -> tuple[str, ...]:
