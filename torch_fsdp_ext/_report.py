@@ -100,6 +100,10 @@ def status_text(report: Any) -> str:
                 f"{fix.name}: so far this process upcast {upcast['params']} parameter(s), adding "
                 f"{upcast['bytes']:,} bytes of fp32 master weights on this rank."
             )
+        if fix.armed:
+            where = ", ".join(dict.fromkeys(".".join(symbol.split(".")[:3]) for symbol in fix.armed))
+            lines.append(f"{fix.name}: armed: wraps {len(fix.armed)} more outside FSDP2 ({where}) from the first "
+                         "fully_shard on.")
         if fix.details.get("not_covered"):
             not_covered = ", ".join(fix.details["not_covered"])
             lines.append(f"{fix.name}: not covered, since they were grouped and sharded before install: {not_covered}.")
