@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import textwrap
 import types
 import warnings
@@ -18,7 +19,16 @@ from torch_fsdp_ext._patching import PatchSet
 
 from torch_fsdp_ext import __main__ as cli, run as launcher
 
-from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, MixedPrecisionPolicy, fully_shard, run_python
+from common import (
+    HAS_DTYPE_BUG,
+    HAS_FROZEN_BUG,
+    HAS_GRAD_DTYPES_BUG,
+    HAS_RECOMPUTE_CAST_BUG,
+    FSDPExtTestCase,
+    MixedPrecisionPolicy,
+    fully_shard,
+    run_python,
+)
 
 
 def patched_attributes() -> dict[tuple[str, str], object]:
@@ -308,6 +318,35 @@ class TestFreshInterpreter(TestCase):
             "[10, False, []]",
             f"[{4 - len(dtype_outside)}, True]",
         ])
+
+    def test_fixes_env_var_and_launcher_option_install_only_those(self):
+        # TORCH_FSDP_EXT_FIXES and the launcher's --fixes: only the fixes named (where this torch needs them); an
+        # unknown name stops the import, or the launcher, with a SettingError that lists the names.
+        needs_reduce = HAS_GRAD_DTYPES_BUG or HAS_FROZEN_BUG
+        show = "print([n for n, f in torch_fsdp_ext.status().fixes.items() if f.active])"
+        out = self.run_case(f"import torch_fsdp_ext\n{show}", env={"TORCH_FSDP_EXT_FIXES": " Reduce "})
+        self.assertEqual(out, str(["reduce"] if needs_reduce else []))
+        out = self.run_case(f"import torch_fsdp_ext\n{show}", env={"TORCH_FSDP_EXT_FIXES": "recompute,reduce"})
+        self.assertEqual(out, str(["recompute", "reduce"] if needs_reduce else ["recompute"]))
+        failed = run_python("import torch_fsdp_ext", env={"TORCH_FSDP_EXT_FIXES": "reduce,dtypes"})
+        self.assertNotEqual(failed.returncode, 0)
+        self.assertIn("SettingError: torch_fsdp_ext: TORCH_FSDP_EXT_FIXES must name some of dtype, recompute, reduce",
+                      failed.stderr)
+        self.assertIn("'dtypes'", failed.stderr)
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            script = os.path.join(tmp, "train.py")
+            with open(script, "w", encoding="utf-8") as f:
+                f.write(f"import os, torch_fsdp_ext\n{show}\nprint(os.environ['TORCH_FSDP_EXT_FIXES'])\n")
+            launched = run_python(f"from torch_fsdp_ext import run; run.main(['--fixes', 'reduce', {script!r}])")
+            self.assertEqual(launched.returncode, 0, launched.stderr)
+            # The script's interpreters started by it get the same fixes (TORCH_FSDP_EXT_FIXES).
+            self.assertEqual(launched.stdout.split(), [str(["reduce"] if needs_reduce else []).replace(" ", ""),
+                                                       "reduce"])
+            refused = run_python(f"from torch_fsdp_ext import run; run.main(['--fixes', 'reduce,dtypes', {script!r}])")
+            self.assertEqual(refused.returncode, 2)  # argparse's usage error
+            self.assertIn("--fixes must name some of dtype, recompute, reduce", refused.stderr)
 
     def test_fully_shard_imported_before_the_plugin(self):
         out = self.run_case(
