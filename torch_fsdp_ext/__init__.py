@@ -1,5 +1,5 @@
-"""torch_fsdp_ext: repairs FSDP2 (``fully_shard``) mixed-precision failures: mixed parameter dtypes in one group,
-activation-checkpoint recompute, and gradient reduction in ``reduce_dtype``.
+"""torch_fsdp_ext repairs three FSDP2 (fully_shard) mixed-precision failures: mixed parameter dtypes in one group;
+activation-checkpoint recompute; gradient reduction in reduce_dtype.
 
 ``import torch_fsdp_ext`` installs every fix this torch release needs: it wraps FSDP2's own
 functions then, and what optimizers, activation checkpointing and DCP run (for any model)

@@ -13,12 +13,13 @@ import torch
 
 from . import _compat, _env
 from ._dtype import DtypeFix, _compute_dtype
+from ._failures import FAILURES
 from ._dtype._strategies import STRATEGIES, UPCAST_COST
 from ._patching import PatchSet, wraps
 from ._recompute import RecomputeReplay
 from ._reduce import ReduceFix
 
-FIX_NAMES = ("dtype", "recompute", "reduce")
+FIX_NAMES = tuple(FAILURES)
 
 # Note [Armed]. A fix wraps FSDP2's own functions at install(). What it wraps of torch outside FSDP2
 # (``outside_fsdp_symbols()``: ``Optimizer.add_param_group``, the checkpoint hooks every non-reentrant

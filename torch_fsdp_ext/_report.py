@@ -43,6 +43,14 @@ def plugin_does(fix: Any) -> str:
 NEEDED_LEGEND = "needed: yes = this torch has the failure; partly = torch repairs part, the plugin the rest; no = nothing to fix"
 
 
+def repaired_by(fix: Any) -> tuple[list[str], list[str]]:
+    """The parts (reduce) or replays (recompute) of a fix that the plugin repairs, and those torch repairs itself."""
+    who = fix.details.get("parts") or fix.details.get("replays") or {}
+    return [what for what, by in who.items() if by == "torch_fsdp_ext"], [
+        what for what, by in who.items() if by != "torch_fsdp_ext"
+    ]
+
+
 def listed(items: list[str]) -> str:
     """``["input cast", "output cast"]`` -> ``"the input cast and the output cast"``."""
     named = [f"the {item}" for item in items]
