@@ -13,8 +13,8 @@ import torch
 
 from . import _compat, _env
 from ._dtype import DtypeFix, _compute_dtype
-from ._failures import FAILURES
 from ._dtype._strategies import STRATEGIES, UPCAST_COST
+from ._failures import FAILURES
 from ._patching import PatchSet, wraps
 from ._recompute import RecomputeReplay
 from ._reduce import ReduceFix
