@@ -159,7 +159,7 @@ class TestReadableState(TestCase):
         self.assertExpectedInline(
             usage.getvalue(),
             """\
-usage: python -m torch_fsdp_ext.run [--dtype-strategy STRATEGY] [--compute-in-loaded-dtype MODULES] (SCRIPT | -m MODULE) [ARGS ...]
+usage: python -m torch_fsdp_ext.run [--fixes FIXES] [--dtype-strategy STRATEGY] [--compute-in-loaded-dtype MODULES] (SCRIPT | -m MODULE) [ARGS ...]
 python -m torch_fsdp_ext.run: error: no script to run: give a script path, or -m and a module name
 """,
         )
