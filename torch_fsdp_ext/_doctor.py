@@ -19,10 +19,10 @@ import torch.nn as nn
 
 from . import _compat
 from ._dtype._plan import MixedParamDtypeError
+from ._failures import FAILURES
 from ._install import FIX_NAMES, install, status, uninstall
 from ._local_ranks import run_local_ranks, write_result
 from ._rank_end import end_rank
-from ._failures import FAILURES
 from ._report import NEEDED_LEGEND, format_table, needed_word, plugin_does, repaired_by
 
 

@@ -47,7 +47,7 @@ def repaired_by(fix: Any) -> tuple[list[str], list[str]]:
     """The parts (reduce) or replays (recompute) of a fix that the plugin repairs, and those torch repairs itself."""
     who = fix.details.get("parts") or fix.details.get("replays") or {}
     return [what for what, by in who.items() if by == "torch_fsdp_ext"], [
-        what for what, by in who.items() if by != "torch_fsdp_ext"
+        what for what, by in who.items() if by == "upstream"
     ]
 
 
