@@ -10,19 +10,18 @@ Two moments of a process that imported the plugin (Note [Armed] in ``torch_fsdp_
 - "FSDP2 used": a ``fully_shard``-ed model (world 1, gloo) trained one step; from its ``fully_shard`` on, the
   plugin wraps ``Optimizer.add_param_group`` and the checkpoint hooks too.
 
-"torch" is the same program with the plugin uninstalled right after its import (before the model is
-sharded): its modules loaded and its probes run, torch's own functions everywhere. "added" is plugin minus
-torch, per operation.
+"torch" is the same process with the plugin uninstalled (``uninstall()``: torch's own functions everywhere),
+"plugin" with it installed again (``install()``), as the import installs it; "added" is plugin minus torch, per
+operation.
 
-Note: how the counts are taken. One callgrind process per configuration (plugin or torch) and address shift,
-with ``PYTHONHASHSEED=0``, collection off at start: each operation is run a few times first, then ``--number``
-times with collection on (``torch._C._valgrind_toggle``, the switch ``Timer.collect_callgrind`` uses) and its
-counts dumped; then the model is sharded and the same is done after it. One process counts all four sections
-because importing torch under valgrind is most of a count's time (minutes on a shared machine). The cyclic
-garbage collector is off while counting (when it runs depends on every allocation since the last one). Where
-things lie in memory moves a count (address-keyed hashing: a set of parameters, an optimizer's state), so
-each configuration is counted at ``--shifts`` address shifts (the heap moved by a different amount in each
-process); "added" is the difference of the means, next to the larger spread over the shifts.
+Note: how the counts are taken. Where things lie in memory moves a count of one operation in different
+processes by more than a thousand instructions (address-keyed hashing: a set of parameters, an optimizer's
+state), and more than the plugin's wrappers cost. So torch and plugin are counted in one process, alternately
+(``--rounds`` times each, each section ``--number`` operations after a warm-up), under callgrind with
+``PYTHONHASHSEED=0`` and collection off at start: ``torch._C._valgrind_toggle`` (the switch
+``Timer.collect_callgrind`` uses) counts a section and dumps it. The cyclic garbage collector is off while
+counting (when it runs depends on every allocation since the last one). "spread" is the largest range of one
+configuration's sections; ``--shifts`` repeats the whole in processes whose heap starts elsewhere.
 
 ``--calls`` counts, without valgrind, the Python calls of the plugin's own functions (``sys.setprofile``) in
 one operation: what the instruction counts add up from.
@@ -54,7 +53,6 @@ from torch_fsdp_ext._compat import fsdp2_api  # noqa: E402
 OPERATIONS = ("optimizer", "checkpoint")
 MOMENTS = ("no FSDP2", "FSDP2 used")
 PLAN_ENV = "TORCH_FSDP_EXT_FOOTPRINT_PLAN"
-SPEC_LENGTH = 200
 WARMUP = 3
 PLUGIN_DIR = os.path.dirname(torch_fsdp_ext.__file__)
 
@@ -92,40 +90,48 @@ def use_fsdp2() -> nn.Module:
     return sharded
 
 
-def count_process(plugin: bool, operations: list[str], number: int, address_shift: int) -> None:
-    """Inside callgrind: each section dumped on its own (``MOMENTS`` x ``operations``, in that order)."""
-    if not plugin:
-        torch_fsdp_ext.uninstall()
+def sections(operations: list[str], rounds: int) -> list[tuple[str, int, str, str]]:
+    """(moment, round, "torch" or "plugin", operation) of each counted section, in the order counted."""
+    return [(moment, r, state, op) for moment in MOMENTS for r in range(rounds) for state in ("torch", "plugin")
+            for op in operations]
+
+
+def count_process(operations: list[str], number: int, rounds: int, address_shift: int) -> None:
+    """Inside callgrind: each section of ``sections()`` counted and dumped on its own."""
     shifted = ([bytearray(8 * i + 8) for i in range(97 * address_shift)], torch.empty(1031 * address_shift))
     ops = Operations()
     sharded = None
-    for moment in MOMENTS:
-        if moment == "FSDP2 used":
+    for moment, _, state, operation in sections(operations, rounds):
+        if moment == "FSDP2 used" and sharded is None:
+            torch_fsdp_ext.install()
             sharded = use_fsdp2()
-        for operation in operations:
-            run = getattr(ops, operation)
-            for _ in range(WARMUP):
-                run()
-            gc.collect()
-            gc.disable()
-            torch._C._valgrind_toggle()
-            for _ in range(number):
-                run()
-            torch._C._valgrind_toggle_and_dump_stats()
-            gc.enable()
+        if state == "torch":
+            torch_fsdp_ext.uninstall()
+        else:
+            torch_fsdp_ext.install()
+        run = getattr(ops, operation)
+        for _ in range(WARMUP):
+            run()
+        gc.collect()
+        gc.disable()
+        torch._C._valgrind_toggle()
+        for _ in range(number):
+            run()
+        torch._C._valgrind_toggle_and_dump_stats()
+        gc.enable()
     del shifted, sharded
 
 
-def count(plugin: bool, operations: list[str], number: int, address_shift: int) -> list[int]:
-    """One callgrind process: the instructions of each section, in ``count_process``'s order."""
+def count(operations: list[str], number: int, rounds: int, address_shift: int) -> list[int]:
+    """One callgrind process: the instructions of each of ``sections()``, in order."""
     import tempfile
 
+    expected = len(sections(operations, rounds))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
-        spec = json.dumps({"plugin": plugin, "operations": operations, "number": number,
+        spec = json.dumps({"operations": operations, "number": number, "rounds": rounds,
                            "address_shift": address_shift})
-        # Note: padded to one length per shift: the environment sits on the counted process's stack.
-        env = {**os.environ, "PYTHONHASHSEED": "0", PLAN_ENV: spec.ljust(SPEC_LENGTH + 40 * address_shift)}
+        env = {**os.environ, "PYTHONHASHSEED": "0", PLAN_ENV: spec}
         result = subprocess.run(
             ["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={out}",
              sys.executable, TOOL, "--count-process"], capture_output=True, text=True, env=env,
@@ -134,15 +140,15 @@ def count(plugin: bool, operations: list[str], number: int, address_shift: int) 
             raise RuntimeError(f"counting {spec} failed:\n{result.stdout}{result.stderr[-3000:]}")
         # Each dump is a file of its own, numbered from 1; the one at exit (nothing collected since) comes last.
         dumps = sorted((int(name.rsplit(".", 1)[1]), name) for name in os.listdir(tmp)
-                       if name.rsplit(".", 1)[-1].isdigit())[:len(MOMENTS) * len(operations)]
-        if len(dumps) != len(MOMENTS) * len(operations):
+                       if name.rsplit(".", 1)[-1].isdigit())[:expected]
+        if len(dumps) != expected:
             raise RuntimeError(f"counting {spec}: expected one dump per section, found {os.listdir(tmp)}")
-        sections = []
+        counts = []
         for _, name in dumps:
             with open(os.path.join(tmp, name), encoding="utf-8") as f:
                 totals = [line for line in f if line.startswith(("summary:", "totals:"))]
-            sections.append(int(totals[-1].split()[1]))
-        return sections
+            counts.append(int(totals[-1].split()[1]))
+        return counts
 
 
 def plugin_calls(operations: list[str]) -> dict[tuple[str, str], dict[str, int]]:
@@ -175,7 +181,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", action="store_true", help="the plugin's Python calls per operation (no valgrind)")
     parser.add_argument("--number", type=int, default=20, help="operations per count (default 20)")
-    parser.add_argument("--shifts", type=int, default=1, help="address shifts per configuration (default 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="sections of each configuration per process (default 3)")
+    parser.add_argument("--shifts", type=int, default=1, help="processes, each with its heap elsewhere (default 1)")
     parser.add_argument("--jobs", type=int, default=2, help="callgrind processes at a time (default 2)")
     parser.add_argument("--operations", default=",".join(OPERATIONS), help="optimizer,checkpoint")
     parser.add_argument("--count-process", action="store_true", help=argparse.SUPPRESS)
@@ -192,19 +199,22 @@ def main() -> int:
         return 0
     import concurrent.futures
 
-    runs = [(plugin, shift) for plugin in (False, True) for shift in range(args.shifts)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        counted = list(pool.map(lambda run: count(run[0], operations, args.number, run[1]), runs))
-    per_op = {run: [c / args.number for c in sections] for run, sections in zip(runs, counted)}
-    print(f"instructions per operation ({args.number} per count, {args.shifts} address shift(s), PYTHONHASHSEED=0)")
+        counted = list(pool.map(lambda shift: count(operations, args.number, args.rounds, shift), range(args.shifts)))
+    per_op: dict[tuple[str, str, str], list[float]] = {}
+    for counts in counted:
+        for (moment, _, state, operation), n in zip(sections(operations, args.rounds), counts):
+            per_op.setdefault((moment, state, operation), []).append(n / args.number)
+    print(f"instructions per operation ({args.number} per section, {args.rounds} sections of each, "
+          f"{args.shifts} process(es), PYTHONHASHSEED=0)")
     print(f"{'moment':11} {'operation':10} {'torch':>12} {'plugin':>12} {'added':>9} {'spread':>9}")
-    sections = [(moment, operation) for moment in MOMENTS for operation in operations]
-    for i, (moment, operation) in enumerate(sections):
-        of = {plugin: [per_op[plugin, shift][i] for shift in range(args.shifts)] for plugin in (False, True)}
-        spread = max(max(c) - min(c) for c in of.values())
-        torch_mean, plugin_mean = statistics.mean(of[False]), statistics.mean(of[True])
-        print(f"{moment:11} {operation:10} {torch_mean:12,.0f} {plugin_mean:12,.0f} "
-              f"{plugin_mean - torch_mean:9,.0f} {spread:9,.0f}")
+    for moment in MOMENTS:
+        for operation in operations:
+            of = {state: per_op[moment, state, operation] for state in ("torch", "plugin")}
+            spread = max(max(c) - min(c) for c in of.values())
+            torch_mean, plugin_mean = statistics.mean(of["torch"]), statistics.mean(of["plugin"])
+            print(f"{moment:11} {operation:10} {torch_mean:12,.0f} {plugin_mean:12,.0f} "
+                  f"{plugin_mean - torch_mean:9,.0f} {spread:9,.0f}")
     return 0
 
 
