@@ -98,6 +98,9 @@ def sections(operations: list[str], rounds: int) -> list[tuple[str, int, str, st
 
 def count_process(operations: list[str], number: int, rounds: int, address_shift: int) -> None:
     """Inside callgrind: each section of ``sections()`` counted and dumped on its own."""
+    # Note: one intra-op thread. The instructions of pool threads that spin waiting for work are counted too,
+    # and vary by millions between sections of one checkpointed forward + backward.
+    torch.set_num_threads(1)
     shifted = ([bytearray(8 * i + 8) for i in range(97 * address_shift)], torch.empty(1031 * address_shift))
     ops = Operations()
     sharded = None
@@ -131,7 +134,7 @@ def count(operations: list[str], number: int, rounds: int, address_shift: int) -
         out = os.path.join(tmp, "callgrind.out")
         spec = json.dumps({"operations": operations, "number": number, "rounds": rounds,
                            "address_shift": address_shift})
-        env = {**os.environ, "PYTHONHASHSEED": "0", PLAN_ENV: spec}
+        env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", PLAN_ENV: spec}
         result = subprocess.run(
             ["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={out}",
              sys.executable, TOOL, "--count-process"], capture_output=True, text=True, env=env,
@@ -215,6 +218,9 @@ def main() -> int:
             torch_mean, plugin_mean = statistics.mean(of["torch"]), statistics.mean(of["plugin"])
             print(f"{moment:11} {operation:10} {torch_mean:12,.0f} {plugin_mean:12,.0f} "
                   f"{plugin_mean - torch_mean:9,.0f} {spread:9,.0f}")
+    print("each section (per operation), in the order counted:")
+    for (moment, state, operation), counts in per_op.items():
+        print(f"  {moment:11} {operation:10} {state:6} {' '.join(f'{c:,.0f}' for c in counts)}")
     return 0
 
 
