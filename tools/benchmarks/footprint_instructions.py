@@ -20,8 +20,9 @@ state), and more than the plugin's wrappers cost. So torch and plugin are counte
 (``--rounds`` times each, each section ``--number`` operations after a warm-up), under callgrind with
 ``PYTHONHASHSEED=0`` and collection off at start: ``torch._C._valgrind_toggle`` (the switch
 ``Timer.collect_callgrind`` uses) counts a section and dumps it. The cyclic garbage collector is off while
-counting (when it runs depends on every allocation since the last one). "spread" is the largest range of one
-configuration's sections; ``--shifts`` repeats the whole in processes whose heap starts elsewhere.
+counting (when it runs depends on every allocation since the last one), and torch runs one intra-op thread.
+"torch" and "plugin" are the medians of their sections, "spread" the largest range of one configuration's
+sections; ``--shifts`` repeats the whole in processes whose heap starts elsewhere.
 
 ``--calls`` counts, without valgrind, the Python calls of the plugin's own functions (``sys.setprofile``) in
 one operation: what the instruction counts add up from.
@@ -215,7 +216,8 @@ def main() -> int:
         for operation in operations:
             of = {state: per_op[moment, state, operation] for state in ("torch", "plugin")}
             spread = max(max(c) - min(c) for c in of.values())
-            torch_mean, plugin_mean = statistics.mean(of["torch"]), statistics.mean(of["plugin"])
+            # Note: medians: a process's first section of a configuration may still pay for warming up.
+            torch_mean, plugin_mean = statistics.median(of["torch"]), statistics.median(of["plugin"])
             print(f"{moment:11} {operation:10} {torch_mean:12,.0f} {plugin_mean:12,.0f} "
                   f"{plugin_mean - torch_mean:9,.0f} {spread:9,.0f}")
     print("each section (per operation), in the order counted:")
