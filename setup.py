@@ -1,3 +1,4 @@
+import ast
 import os
 
 from setuptools import find_packages, setup
@@ -5,6 +6,17 @@ from setuptools.command.build_py import build_py
 
 # Runs torch_fsdp_ext_startup at interpreter start-up when TORCH_FSDP_EXT_AUTOLOAD is set.
 STARTUP_PTH = "torch_fsdp_ext.pth"
+
+
+def failures() -> tuple[str, dict]:
+    """HEADLINE and FAILURES of torch_fsdp_ext/_failures.py, read without importing the package (nor torch)."""
+    with open(os.path.join("torch_fsdp_ext", "_failures.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    found = {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)}
+    return found["HEADLINE"], found["FAILURES"]
+
+
+HEADLINE, FAILURES = failures()
 
 
 class BuildPyWithStartupPth(build_py):
@@ -23,8 +35,7 @@ class BuildPyWithStartupPth(build_py):
 setup(
     name="torch_fsdp_ext",
     version="0.1.0",
-    description="Repairs FSDP2 (fully_shard) mixed-precision failures: mixed parameter dtypes and "
-    "activation-checkpoint recompute.",
+    description=f"Repairs {HEADLINE}: {'; '.join(FAILURES.values())}.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="BSD-3-Clause",

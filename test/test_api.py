@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import textwrap
 import types
 import warnings
@@ -18,7 +19,15 @@ from torch_fsdp_ext._patching import PatchSet
 
 from torch_fsdp_ext import __main__ as cli, run as launcher
 
-from common import HAS_DTYPE_BUG, HAS_RECOMPUTE_CAST_BUG, FSDPExtTestCase, MixedPrecisionPolicy, fully_shard, run_python
+from common import (
+    HAS_DTYPE_BUG,
+    HAS_GRAD_DTYPES_BUG,
+    HAS_RECOMPUTE_CAST_BUG,
+    FSDPExtTestCase,
+    MixedPrecisionPolicy,
+    fully_shard,
+    run_python,
+)
 
 
 def patched_attributes() -> dict[tuple[str, str], object]:
@@ -81,13 +90,20 @@ class TestInstallUninstall(TestCase):
         # only while a checkpoint region runs); the recompute fix alone wraps 8. The dtype fix also
         # wraps Optimizer.add_param_group and three state-dict entry points. The reduce fix wraps the
         # param group's lazy_init, FSDPParam.__init__ and, where the release reduces unused
-        # parameters, FSDPParam.unsharded_zero_grad_data, where this torch needs it.
+        # parameters, FSDPParam.unsharded_zero_grad_data, where this torch needs it. What lies outside
+        # FSDP2 (those four, the six checkpoint hooks) is armed until an FSDP2 state exists (this
+        # process may hold one from another test), and the recompute fix wraps FSDPState.init for it.
         switched = 2 if torch_fsdp_ext._install._active["recompute"][0].switches_hooks else 0
         outside = 1 + len(_compat.state_dict_entry_points())
         self.assertEqual(outside, 4)
-        reduce_wraps = len(torch_fsdp_ext.status().fixes["reduce"].wraps)
+        report = torch_fsdp_ext.status().fixes
+        reduce_wraps = len(report["reduce"].wraps)
         self.assertIn(reduce_wraps, (2, 3) if "reduce" in torch_fsdp_ext._install._active else (0,))
-        expected = (len(_compat.WRAPPED_METHODS) - 5 + outside if HAS_DTYPE_BUG else 8) - switched + reduce_wraps
+        armed = sum(len(fix.armed) for fix in report.values())
+        self.assertEqual(armed, 0 if _compat.fsdp_states() else 6 + (outside if HAS_DTYPE_BUG else 0))
+        first_state = 0 if HAS_DTYPE_BUG else 1  # FSDPState.init: the dtype fix wraps it anyway
+        expected = (len(_compat.WRAPPED_METHODS) - 5 + outside if HAS_DTYPE_BUG else 8) + first_state - switched
+        expected += reduce_wraps - armed
         self.assertEqual(len(changed), expected)
         for _ in range(1000):
             torch_fsdp_ext.install()
@@ -131,7 +147,7 @@ class TestReadableState(TestCase):
         self.assertRegex(lines[3], rf"^recompute +{recompute_needed} +yes +- +{len(recompute.wraps)}$")
         why = f"needed, because {dtype.reason}." if dtype.needed else f"not needed: {dtype.reason}."
         self.assertIn(f"dtype: {why}", lines)
-        self.assertLess(len(str(report)), 800)
+        self.assertLess(len(str(report)), 1000)
 
     def test_command_line_help_status_and_launcher_usage(self):
         help_text = io.StringIO()
@@ -147,7 +163,7 @@ class TestReadableState(TestCase):
         self.assertExpectedInline(
             usage.getvalue(),
             """\
-usage: python -m torch_fsdp_ext.run [--dtype-strategy STRATEGY] [--compute-in-loaded-dtype MODULES] [--reduce-dtype float32] (SCRIPT | -m MODULE) [ARGS ...]
+usage: python -m torch_fsdp_ext.run [--fixes FIXES] [--dtype-strategy STRATEGY] [--compute-in-loaded-dtype MODULES] [--reduce-dtype float32] (SCRIPT | -m MODULE) [ARGS ...]
 python -m torch_fsdp_ext.run: error: no script to run: give a script path, or -m and a module name
 """,
         )
@@ -257,6 +273,105 @@ class TestFreshInterpreter(TestCase):
         self.assertEqual(result.returncode, 0, result.stderr)
         # Some releases' gloo prints "[Gloo] Rank 0 is connected to ..." first.
         return "\n".join(line for line in result.stdout.strip().splitlines() if not line.startswith("[Gloo]"))
+
+    def test_nothing_outside_fsdp2_is_wrapped_until_fully_shard(self):
+        # Note [Armed] in _install: optimizers, checkpoint hooks and DCP run torch's own functions until the
+        # first fully_shard; from then on the plugin's, until uninstall() puts torch's back by identity.
+        out = self.run_case(
+            """
+            import torch.distributed.checkpoint.state_dict as dcp_state_dict
+            import torch.utils.checkpoint as ckpt
+            def outside():
+                return [torch.optim.Optimizer.__dict__["add_param_group"],
+                        *(vars(ckpt._checkpoint_hook).get(n) for n in ("__init__", "__enter__", "__exit__")),
+                        *(vars(ckpt._recomputation_hook).get(n) for n in ("__init__", "__enter__", "__exit__")),
+                        *(vars(dcp_state_dict)[n] for n in ("_load_model_state_dict", "_get_optim_state_dict",
+                                                            "_load_optim_state_dict"))]
+            torch_own = outside()
+            import torch_fsdp_ext
+            from FSDP2_API import fully_shard, MixedPrecisionPolicy
+            def report():
+                fixes = torch_fsdp_ext.status().fixes.values()
+                wrapped = sorted({w for f in fixes for w in f.wraps})
+                return [sum(a is b for a, b in zip(outside(), torch_own)),
+                        any(w.startswith(("torch.optim", "torch.utils", "torch.distributed.checkpoint"))
+                            for w in wrapped),
+                        sorted(w.split(".")[-2] for f in fixes for w in f.armed)]
+            print(report())
+            torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)  # no FSDP2 use: nothing is installed
+            checkpoint(nn.Linear(2, 2), torch.randn(1, 2, requires_grad=True), use_reentrant=False).sum().backward()
+            print(report())
+            m = mixed_dtypes(fully_shard, MixedPrecisionPolicy)
+            print(report())
+            torch.optim.SGD(m.parameters(), lr=0.1)  # an optimizer before the first forward upcasts the model
+            print(sorted({str(p.dtype) for p in m.parameters()}))
+            torch_fsdp_ext.uninstall()
+            print(report())
+            torch_fsdp_ext.install()  # a model is sharded: installed at once
+            print(report()[:2])
+            """
+        )
+        dtype_outside = ["Optimizer", "state_dict", "state_dict", "state_dict"] if HAS_DTYPE_BUG else []
+        hooks = ["_checkpoint_hook"] * 3 + ["_recomputation_hook"] * 3
+        upcast = "['torch.float32']" if HAS_DTYPE_BUG else "['torch.bfloat16', 'torch.float32']"
+        self.assertEqual(out.splitlines(), [
+            f"[10, False, {sorted(dtype_outside + hooks)}]",
+            f"[10, False, {sorted(dtype_outside + hooks)}]",
+            f"[{4 - len(dtype_outside)}, True, []]",
+            upcast,
+            "[10, False, []]",
+            f"[{4 - len(dtype_outside)}, True]",
+        ])
+
+    def test_fixes_env_var_and_launcher_option_install_only_those(self):
+        # TORCH_FSDP_EXT_FIXES and the launcher's --fixes: only the fixes named (where this torch needs them); an
+        # unknown name stops the import, or the launcher, with a SettingError that lists the names.
+        needs_reduce = HAS_GRAD_DTYPES_BUG
+        show = "print([n for n, f in torch_fsdp_ext.status().fixes.items() if f.active])"
+        out = self.run_case(f"import torch_fsdp_ext\n{show}", env={"TORCH_FSDP_EXT_FIXES": " Reduce "})
+        self.assertEqual(out, str(["reduce"] if needs_reduce else []))
+        out = self.run_case(f"import torch_fsdp_ext\n{show}", env={"TORCH_FSDP_EXT_FIXES": "recompute,reduce"})
+        self.assertEqual(out, str(["recompute", "reduce"] if needs_reduce else ["recompute"]))
+        failed = run_python("import torch_fsdp_ext", env={"TORCH_FSDP_EXT_FIXES": "reduce,dtypes"})
+        self.assertNotEqual(failed.returncode, 0)
+        self.assertIn("SettingError: torch_fsdp_ext: TORCH_FSDP_EXT_FIXES must name some of dtype, recompute, reduce",
+                      failed.stderr)
+        self.assertIn("'dtypes'", failed.stderr)
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            script = os.path.join(tmp, "train.py")
+            with open(script, "w", encoding="utf-8") as f:
+                f.write(f"import os, torch_fsdp_ext\n{show}\nprint(os.environ['TORCH_FSDP_EXT_FIXES'])\n")
+            launched = run_python(f"from torch_fsdp_ext import run; run.main(['--fixes', 'reduce', {script!r}])")
+            self.assertEqual(launched.returncode, 0, launched.stderr)
+            # The script's interpreters started by it get the same fixes (TORCH_FSDP_EXT_FIXES).
+            self.assertEqual(launched.stdout.split(), [str(["reduce"] if needs_reduce else []).replace(" ", ""),
+                                                       "reduce"])
+            refused = run_python(f"from torch_fsdp_ext import run; run.main(['--fixes', 'reduce,dtypes', {script!r}])")
+            self.assertEqual(refused.returncode, 2)  # argparse's usage error
+            self.assertIn("--fixes must name some of dtype, recompute, reduce", refused.stderr)
+
+    def test_reduce_dtype_env_var_and_launcher_option(self):
+        # TORCH_FSDP_EXT_REDUCE_DTYPE=float32 and the launcher's --reduce-dtype: the reduce fix is installed with the
+        # fp32 reduction setting on every release (2.15 needs nothing else of it); --fixes still limits the fixes.
+        import tempfile
+
+        show = ("s = torch_fsdp_ext.status().fixes; "
+                "print([n for n, f in s.items() if f.active], s['reduce'].details['reduce_dtype'])")
+        out = self.run_case(f"import torch_fsdp_ext\n{show}", env={"TORCH_FSDP_EXT_REDUCE_DTYPE": " Float32 "})
+        self.assertTrue(out.endswith("'reduce'] float32"), out)
+        with tempfile.TemporaryDirectory() as tmp:
+            script = os.path.join(tmp, "train.py")
+            with open(script, "w", encoding="utf-8") as f:
+                f.write(f"import os, torch_fsdp_ext\n{show}\nprint(os.environ['TORCH_FSDP_EXT_REDUCE_DTYPE'])\n")
+            launched = run_python(
+                f"from torch_fsdp_ext import run; run.main(['--fixes', 'reduce', '--reduce-dtype', 'float32', {script!r}])"
+            )
+            self.assertEqual(launched.returncode, 0, launched.stderr)
+            self.assertEqual(launched.stdout.split(), ["['reduce']", "float32", "float32"])
+        failed = run_python("import torch_fsdp_ext", env={"TORCH_FSDP_EXT_REDUCE_DTYPE": "bf16"})
+        self.assertIn("TORCH_FSDP_EXT_REDUCE_DTYPE must be one of float32, none", failed.stderr)
 
     def test_fully_shard_imported_before_the_plugin(self):
         out = self.run_case(

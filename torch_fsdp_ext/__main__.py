@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-DESCRIPTION = """\
-torch_fsdp_ext repairs two FSDP2 (fully_shard) mixed-precision failures.
+from ._failures import FAILURES, HEADLINE
+
+DESCRIPTION = f"""\
+torch_fsdp_ext repairs {HEADLINE}:
+{chr(10).join(f"  {name}: {failure}" for name, failure in FAILURES.items())}
 
 To run a training script with the plugin on, without editing it, use the launcher:
   torchrun --nproc-per-node 8 -m torch_fsdp_ext.run train.py ARGS...
-  python -m torch_fsdp_ext.run [--dtype-strategy upcast|preserve|error] train.py ARGS...
+  python -m torch_fsdp_ext.run [--fixes dtype,recompute,reduce] [--dtype-strategy upcast|preserve|error] train.py ...
 """
 
 

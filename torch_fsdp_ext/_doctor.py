@@ -19,10 +19,11 @@ import torch.nn as nn
 
 from . import _compat
 from ._dtype._plan import MixedParamDtypeError
+from ._failures import FAILURES
 from ._install import FIX_NAMES, install, status, uninstall
 from ._local_ranks import run_local_ranks, write_result
 from ._rank_end import end_rank
-from ._report import NEEDED_LEGEND, format_table, needed_word, plugin_does
+from ._report import NEEDED_LEGEND, format_table, needed_word, plugin_does, repaired_by
 
 
 @dataclass
@@ -221,12 +222,32 @@ def fix_rows(report, outcomes: dict) -> tuple[list[list[str]], bool]:
     return rows, healthy
 
 
-LEGEND = (
-    NEEDED_LEGEND,
-    "seed scenario: the reported failure, run on real ranks without and then with the plugin; "
-    "'fixed' and 'runs': the result was checked",
-    "partly: torch repairs part of the failure itself, so its seed scenario runs without the plugin too",
-)
+def legend(report, outcomes: dict) -> list[str]:
+    """What the table's words mean, from the table's own rows.
+
+    Note: "partly" is one word for several cases: on 2.13 torch replays the part of the recompute failure
+    that the seed scenario exercises (it runs without the plugin), on 2.14 torch fixes one part of the
+    reduce failure and the seed scenario exercises another (it fails without the plugin). Each partly row
+    gets its own line, saying which parts torch repairs and what that leaves the seed scenario.
+    """
+    lines = [
+        NEEDED_LEGEND,
+        "fixes: " + "; ".join(f"{name} = {failure}" for name, failure in FAILURES.items()),
+        "seed scenario: the reported failure, run on real ranks without and then with the plugin; "
+        "'fixed' and 'runs': the result was checked",
+    ]
+    for name in FIX_NAMES:
+        fix = report.fixes[name]
+        if needed_word(fix) != "partly":
+            continue
+        ours, torch_own = repaired_by(fix)
+        line = f"{name} partly: torch repairs {', '.join(torch_own)}; the plugin {', '.join(ours)}"
+        outcome = outcomes.get(name)
+        if isinstance(outcome, dict):
+            line += ("; so the seed scenario runs without the plugin too" if outcome["without"] == "ok"
+                     else "; the seed scenario needs the plugin's part")
+        lines.append(line)
+    return lines
 
 
 def doctor(world_size: int = 2) -> int:
@@ -256,5 +277,5 @@ def doctor(world_size: int = 2) -> int:
         print(f"self-test not run: FSDP2 itself fails on {backend.device_type} with this torch ({outcomes['baseline']})")
     rows, healthy = fix_rows(report, outcomes)
     print(format_table(rows))
-    print("\n".join(LEGEND))
+    print("\n".join(legend(report, outcomes)))
     return 0 if healthy else 1

@@ -2,6 +2,8 @@
 
 - ``TORCH_FSDP_EXT_DISABLE``: import without installing anything (an unknown value warns
   and counts as unset: the fixes stay on);
+- ``TORCH_FSDP_EXT_FIXES``: the fixes the import installs, comma-separated (unset: all this
+  torch needs). An unknown name raises, listing the names;
 - ``TORCH_FSDP_EXT_DTYPE_STRATEGY``: the dtype strategy used when ``install()`` names none.
   An unknown value raises: a strategy the user asked for is never silently replaced by
   the default;
@@ -70,3 +72,26 @@ def choice(name: str, allowed: Iterable[str]) -> str | None:
     if raw is None or not raw.strip():
         return None
     return parse_choice(raw, allowed, name)
+
+
+def parse_names(value: str, allowed: Iterable[str], what: str) -> tuple[str, ...]:
+    """Comma-separated names, each one of ``allowed`` (case and whitespace do not matter), in the order
+    of ``allowed``. None of them, or one that is not allowed, raises ``SettingError`` listing ``allowed``."""
+    allowed = tuple(allowed)
+    names = {name.strip().lower() for name in value.split(",") if name.strip()}
+    unknown = sorted(names.difference(allowed))
+    if unknown or not names:
+        named = f"unknown name(s) {', '.join(map(repr, unknown))}" if unknown else "no name"
+        raise SettingError(
+            f"torch_fsdp_ext: {what} must name some of {', '.join(allowed)} (comma-separated, any case), "
+            f"got {named} in {value!r}"
+        )
+    return tuple(name for name in allowed if name in names)
+
+
+def names(name: str, allowed: Iterable[str]) -> tuple[str, ...] | None:
+    """The variable as comma-separated names of ``allowed`` (see ``parse_names``), or None when unset or empty."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    return parse_names(raw, allowed, name)

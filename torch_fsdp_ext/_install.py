@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -13,17 +14,30 @@ import torch
 from . import _compat, _env
 from ._dtype import DtypeFix, _compute_dtype
 from ._dtype._strategies import STRATEGIES, UPCAST_COST
-from ._patching import PatchSet
+from ._failures import FAILURES
+from ._patching import PatchSet, wraps
 from ._recompute import RecomputeReplay
 from ._reduce import ReduceFix
 
-FIX_NAMES = ("dtype", "recompute", "reduce")
+FIX_NAMES = tuple(FAILURES)
+
+# Note [Armed]. A fix wraps FSDP2's own functions at install(). What it wraps of torch outside FSDP2
+# (``outside_fsdp_symbols()``: ``Optimizer.add_param_group``, the checkpoint hooks every non-reentrant
+# region runs, DCP's state-dict functions) runs for code that never uses FSDP2, and is needed only once
+# an FSDP2 group exists: those wrappers are armed, and ``install_outside_fsdp(patches)`` puts them in at
+# the first ``FSDPState.init`` (the start of every ``fully_shard``, before it builds a group) or at
+# install() itself where a model is sharded already. Every moment the fixes act on (an optimizer taking a
+# group's parameters, a DCP call on a sharded model, a checkpointed region around an FSDP2 module) comes
+# after that. A process that never calls ``fully_shard`` runs torch's own functions there, and a fix
+# without such wrappers (no ``install_outside_fsdp``) arms nothing. What is armed goes through the fix's
+# own PatchSet, so uninstall() restores it with the rest.
 
 # Note: ``importlib.reload`` re-runs this module in the same namespace. What is
 # installed is kept across a reload, so that ``install()`` after it finds the
 # patches applied before it (no second wrapper layer) and ``uninstall()`` removes them.
 _lock: threading.RLock = globals().get("_lock") or threading.RLock()
 _active: dict[str, tuple[Any, PatchSet]] = globals().get("_active", {})  # fix name -> (fix, its patches)
+_armed: dict[str, None] = globals().get("_armed", {})  # active fixes whose wrappers outside FSDP2 wait (Note [Armed])
 # The dtype strategy of an install() that names none: TORCH_FSDP_EXT_DTYPE_STRATEGY, else "upcast".
 _dtype_strategy: str = globals().get("_dtype_strategy", "upcast")
 # The gradient reduction setting: torch.float32 (TORCH_FSDP_EXT_REDUCE_DTYPE=float32), or None for each policy's own.
@@ -41,7 +55,8 @@ class FixStatus:
     needed: bool | None  # None: this torch lacks the internals the fix needs
     reason: str
     active: bool
-    wraps: list[str] = field(default_factory=list)
+    wraps: list[str] = field(default_factory=list)  # torch functions it wraps now
+    armed: list[str] = field(default_factory=list)  # those outside FSDP2 it wraps at the first fully_shard
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -214,17 +229,52 @@ def install(
             patches = PatchSet()
             try:
                 fix.install(patches)
+                if hasattr(fix, "install_outside_fsdp"):
+                    patches.wrap(internals.FSDPState, "init", functools.partial(_wrap_first_state_init, name))
             except Exception as e:  # noqa: BLE001 - never break training over a patch
                 fix.active = False
                 patches.restore()
                 warnings.warn(f"torch_fsdp_ext: could not install fix {name!r}: {e!r}", RuntimeWarning, stacklevel=2)
                 continue
             _active[name] = (fix, patches)
+            if hasattr(fix, "install_outside_fsdp"):
+                _armed[name] = None
+        if _armed and _compat.fsdp_states():
+            install_armed()  # a model was sharded before this install
         if "dtype" in _active:
             _active["dtype"][0].decide_existing_groups()
         _note_dtype_fix(internals)
         _warn_foreign_patches([f for name, found in foreign.items() if name in _active for f in found])
         return [n for n in FIX_NAMES if n in _active]
+
+
+def _wrap_first_state_init(name: str, original: Any) -> Any:
+    """Note [Armed]: ``FSDPState.init`` installs the armed wrappers first; then one dict lookup per ``fully_shard``."""
+
+    @wraps(original)
+    def init(state: Any, *args: Any, **kwargs: Any) -> None:
+        if name in _armed:
+            install_armed()
+        return original(state, *args, **kwargs)
+
+    return init
+
+
+def install_armed() -> None:
+    """Note [Armed]: an FSDP2 state exists: every armed fix installs its wrappers outside FSDP2.
+
+    Note: under the lock of install()/uninstall(), so that a thread whose ``fully_shard`` returned finds
+    them in place, whichever rank thread came first.
+    """
+    with _lock:
+        for name in [n for n in FIX_NAMES if n in _armed]:
+            del _armed[name]
+            fix, patches = _active[name]
+            try:
+                fix.install_outside_fsdp(patches)
+            except Exception as e:  # noqa: BLE001 - never break training over a patch
+                warnings.warn(f"torch_fsdp_ext: could not install fix {name!r}: {e!r}", RuntimeWarning, stacklevel=2)
+                uninstall([name])
 
 
 def _warn_foreign_patches(found: list[str]) -> None:
@@ -260,6 +310,7 @@ def uninstall(fixes: Iterable[str] | None = None) -> None:
     with _lock:
         for name in reversed(names):
             entry = _active.pop(name, None)
+            _armed.pop(name, None)
             if entry is not None:
                 fix, patches = entry
                 fix.active = False  # hooks bound while installed now pass straight through
@@ -343,7 +394,16 @@ def status() -> Status:
             details["replays"] = fix.replays()
             details["rebound_hooks"] = patches.rebound_hooks if patches is not None else 0
             details["not_covered"] = list(fix.not_covered)
-        report.fixes[name] = FixStatus(
-            name, fix.summary, needed, reason, patches is not None, fix.wrapped_symbols(), details
-        )
+        now, armed = _wrapped_now(name, fix, internals) if patches is not None else ([], [])
+        report.fixes[name] = FixStatus(name, fix.summary, needed, reason, patches is not None, now, armed, details)
     return report
+
+
+def _wrapped_now(name: str, fix: Any, internals: _compat.TorchInternals) -> tuple[list[str], list[str]]:
+    """An active fix's torch functions wrapped now, and those armed (Note [Armed])."""
+    outside = fix.outside_fsdp_symbols() if hasattr(fix, "install_outside_fsdp") else []
+    first_state = _compat.symbol_names(internals, ("FSDPState.init",)) if outside else []
+    now = list(dict.fromkeys(fix.wrapped_symbols() + first_state))
+    if name in _armed:
+        return now, outside
+    return now + outside, []

@@ -43,6 +43,14 @@ def plugin_does(fix: Any) -> str:
 NEEDED_LEGEND = "needed: yes = this torch has the failure; partly = torch repairs part, the plugin the rest; no = nothing to fix"
 
 
+def repaired_by(fix: Any) -> tuple[list[str], list[str]]:
+    """The parts (reduce) or replays (recompute) of a fix that the plugin repairs, and those torch repairs itself."""
+    who = fix.details.get("parts") or fix.details.get("replays") or {}
+    return [what for what, by in who.items() if by == "torch_fsdp_ext"], [
+        what for what, by in who.items() if by == "upstream"
+    ]
+
+
 def listed(items: list[str]) -> str:
     """``["input cast", "output cast"]`` -> ``"the input cast and the output cast"``."""
     named = [f"the {item}" for item in items]
@@ -106,6 +114,10 @@ def status_text(report: Any) -> str:
         elif "reduce_dtype" in fix.details:
             lines.append(f"{fix.name}: reduced in each policy's reduce_dtype (unset: this release's rule); "
                          "TORCH_FSDP_EXT_REDUCE_DTYPE=float32 makes it fp32.")
+        if fix.armed:
+            where = ", ".join(dict.fromkeys(".".join(symbol.split(".")[:3]) for symbol in fix.armed))
+            lines.append(f"{fix.name}: armed: wraps {len(fix.armed)} more outside FSDP2 ({where}) from the first "
+                         "fully_shard on.")
         if fix.details.get("not_covered"):
             not_covered = ", ".join(fix.details["not_covered"])
             lines.append(f"{fix.name}: not covered, since they were grouped and sharded before install: {not_covered}.")

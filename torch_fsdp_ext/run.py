@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 8 -m torch_fsdp_ext.run train.py --lr 1e-4
     accelerate launch -m torch_fsdp_ext.run train.py --lr 1e-4
     python -m torch_fsdp_ext.run [--dtype-strategy STRATEGY] train.py ARGS...
+    python -m torch_fsdp_ext.run --fixes reduce train.py ARGS...
     python -m torch_fsdp_ext.run --compute-in-loaded-dtype LlamaRMSNorm,lm_head train.py ARGS...
     python -m torch_fsdp_ext.run --compute-in-loaded-dtype auto train.py ARGS...
     python -m torch_fsdp_ext.run --reduce-dtype float32 train.py ARGS...
@@ -11,8 +12,9 @@
 Imports the plugin (which installs the fixes this torch needs), then runs the script
 as __main__ with sys.argv set to the script and its arguments, as "python train.py
 ARGS" would. Options of this launcher come before the script; everything after the
-script belongs to it. TORCH_FSDP_EXT_DISABLE=1 still turns the import's install off;
---dtype-strategy installs explicitly.
+script belongs to it. --fixes installs only the fixes it names (comma-separated, as
+TORCH_FSDP_EXT_FIXES). TORCH_FSDP_EXT_DISABLE=1 still turns the import's install off;
+--dtype-strategy and --fixes install explicitly.
 
 Processes the script starts itself (torch.multiprocessing.spawn) get the plugin too,
 with the same settings: the launcher sets TORCH_FSDP_EXT_AUTOLOAD=1 (and the variables
@@ -30,13 +32,20 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     import torch_fsdp_ext
+    from torch_fsdp_ext import _env
 
     parser = argparse.ArgumentParser(
         prog="python -m torch_fsdp_ext.run",
-        usage="%(prog)s [--dtype-strategy STRATEGY] [--compute-in-loaded-dtype MODULES] [--reduce-dtype float32] "
-        "(SCRIPT | -m MODULE) [ARGS ...]",
+        usage="%(prog)s [--fixes FIXES] [--dtype-strategy STRATEGY] [--compute-in-loaded-dtype MODULES] "
+        "[--reduce-dtype float32] (SCRIPT | -m MODULE) [ARGS ...]",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--fixes",
+        metavar="FIXES",
+        help=f"comma-separated fixes to install, of {', '.join(torch_fsdp_ext.FIX_NAMES)} (default: all this torch "
+        "needs; as TORCH_FSDP_EXT_FIXES)",
     )
     parser.add_argument(
         "--dtype-strategy",
@@ -65,11 +74,20 @@ def main(argv: list[str] | None = None) -> None:
     if options.target is None:
         parser.error("no script to run: give a script path, or -m and a module name")
 
+    fixes = _env.names("TORCH_FSDP_EXT_FIXES", torch_fsdp_ext.FIX_NAMES)  # as the import read it
+    if options.fixes is not None:
+        try:
+            fixes = _env.parse_names(options.fixes, torch_fsdp_ext.FIX_NAMES, "--fixes")
+        except torch_fsdp_ext.SettingError as e:
+            parser.error(str(e))
+        torch_fsdp_ext.uninstall([name for name in torch_fsdp_ext.FIX_NAMES if name not in fixes])
+        os.environ["TORCH_FSDP_EXT_FIXES"] = ",".join(fixes)
+    if options.dtype_strategy is not None or options.fixes is not None or options.reduce_dtype is not None:
+        setting = {} if options.reduce_dtype is None else {"reduce_dtype": options.reduce_dtype}
+        torch_fsdp_ext.install(fixes, dtype_strategy=options.dtype_strategy, **setting)
     if options.dtype_strategy is not None:
-        torch_fsdp_ext.install(dtype_strategy=options.dtype_strategy)
         os.environ["TORCH_FSDP_EXT_DTYPE_STRATEGY"] = options.dtype_strategy
     if options.reduce_dtype is not None:
-        torch_fsdp_ext.install(reduce_dtype=options.reduce_dtype)
         os.environ["TORCH_FSDP_EXT_REDUCE_DTYPE"] = options.reduce_dtype
     if options.compute_in_loaded_dtype is not None:
         compute_dtype = torch_fsdp_ext._compute_dtype

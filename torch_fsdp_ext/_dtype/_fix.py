@@ -203,10 +203,15 @@ class DtypeFix:
         return True, "_init_mp_dtypes asserts one dtype for all trainable params of a group"
 
     def wrapped_symbols(self) -> list[str]:
+        """FSDP2's own functions, wrapped from ``install()`` on."""
         owners = ("FSDPParamGroup",) if _compat_dtype.probe_reduce_casts_grads_per_param() else _compat_dtype.MIXED_REDUCE_OWNERS
-        names = _compat.symbol_names(self.internals, (*owners, "FSDPState.init", "FSDPState._lazy_init"))
+        return _compat.symbol_names(self.internals, (*owners, "FSDPState.init", "FSDPState._lazy_init"))
+
+    def outside_fsdp_symbols(self) -> list[str]:
+        """What optimizers and DCP run for any model: wrapped from the first FSDP2 state on (Note [Armed] in
+        ``_install``)."""
         entry_points = [f"{module.__name__}.{name}" for module, name in _compat.state_dict_entry_points()]
-        return names + entry_points + ["torch.optim.Optimizer.add_param_group"]
+        return entry_points + ["torch.optim.Optimizer.add_param_group"]
 
     def install(self, patches: PatchSet) -> None:
         self._patches = patches
@@ -216,12 +221,15 @@ class DtypeFix:
         self.ranks.install(patches)
         # Note: wrapped after the rank check, so it runs first: the ranks compare the upcast layout.
         patches.wrap(self.internals.FSDPState, "_lazy_init", self._wrap_root_lazy_init)
-        for entry_point in _compat.state_dict_entry_points():
-            patches.wrap(*entry_point, self._wrap_state_dict_entry_point)
-        _optimizer_state.wrap_add_param_group(patches, self.upcast_models_holding)
         _keeper.attach(self)
         self.refuse_half_initialised_models()
         self.active = True
+
+    def install_outside_fsdp(self, patches: PatchSet) -> None:
+        """Note [Upcast moment]: the DCP entry points and optimizers, once an FSDP2 group can need them."""
+        for entry_point in _compat.state_dict_entry_points():
+            patches.wrap(*entry_point, self._wrap_state_dict_entry_point)
+        _optimizer_state.wrap_add_param_group(patches, self.upcast_models_holding)
 
     def release(self) -> None:
         """At uninstall(), after ``active`` went False: what live groups do not need goes."""

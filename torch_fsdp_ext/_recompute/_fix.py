@@ -54,10 +54,13 @@ class RecomputeReplay(ReplayState):
         }
 
     def wrapped_symbols(self) -> list[str]:
-        return _compat.symbol_names(
-            self.internals,
-            ("FSDPState._pre_forward", "FSDPState._post_forward", "checkpoint_hook", "recomputation_hook"),
-        )
+        """FSDP2's own functions, wrapped from ``install()`` on."""
+        return _compat.symbol_names(self.internals, ("FSDPState._pre_forward", "FSDPState._post_forward"))
+
+    def outside_fsdp_symbols(self) -> list[str]:
+        """The checkpoint hooks every non-reentrant region runs: wrapped from the first FSDP2 state on
+        (Note [Armed] in ``_install``)."""
+        return _compat.symbol_names(self.internals, ("checkpoint_hook", "recomputation_hook"))
 
     @property
     def switches_hooks(self) -> bool:
@@ -68,13 +71,6 @@ class RecomputeReplay(ReplayState):
 
     def install(self, patches: PatchSet) -> None:
         internals = self.internals
-        # Each wrapper is made for this fix (its first argument) and binds this fix's frames and switch then.
-        patches.wrap(internals.checkpoint_hook, "__init__", functools.partial(attach_records, self))
-        patches.wrap(internals.recomputation_hook, "__init__", functools.partial(find_records, self))
-        patches.wrap(internals.checkpoint_hook, "__enter__", functools.partial(wrap_forward_enter, self))
-        patches.wrap(internals.recomputation_hook, "__enter__", functools.partial(wrap_recompute_enter, self))
-        patches.wrap(internals.checkpoint_hook, "__exit__", functools.partial(wrap_forward_exit, self))
-        patches.wrap(internals.recomputation_hook, "__exit__", functools.partial(wrap_recompute_exit, self))
         pre, post = internals.FSDPState.__dict__["_pre_forward"], internals.FSDPState.__dict__["_post_forward"]
         pre_cell, post_cell = _compat_recompute.switchable_method_cell(pre), _compat_recompute.switchable_method_cell(post)
         if pre_cell is not None and post_cell is not None:
@@ -89,6 +85,21 @@ class RecomputeReplay(ReplayState):
         self.active = True
         if not self.switches_hooks:
             self.rebind_existing_hooks(patches)
+
+    def install_outside_fsdp(self, patches: PatchSet) -> None:
+        """The checkpoint hooks' wrappers, once a region can hold an FSDP2 module.
+
+        Note: a region whose hooks were made before (its forward began before the first FSDP2 state) has
+        no records; its recomputation runs as torch alone runs it, as for a region that began before install().
+        """
+        internals = self.internals
+        # Each wrapper is made for this fix (its first argument) and binds this fix's frames and switch then.
+        patches.wrap(internals.checkpoint_hook, "__init__", functools.partial(attach_records, self))
+        patches.wrap(internals.recomputation_hook, "__init__", functools.partial(find_records, self))
+        patches.wrap(internals.checkpoint_hook, "__enter__", functools.partial(wrap_forward_enter, self))
+        patches.wrap(internals.recomputation_hook, "__enter__", functools.partial(wrap_recompute_enter, self))
+        patches.wrap(internals.checkpoint_hook, "__exit__", functools.partial(wrap_forward_exit, self))
+        patches.wrap(internals.recomputation_hook, "__exit__", functools.partial(wrap_recompute_exit, self))
 
     def rebind_existing_hooks(self, patches: PatchSet) -> None:
         """Reach modules sharded before ``install()``.
