@@ -109,15 +109,12 @@ def status_text(report: Any) -> str:
                 f"{upcast['bytes']:,} bytes of fp32 master weights on this rank."
             )
         if fix.details.get("reduce_dtype") == "float32":
-            lines.append(f"{fix.name}: TORCH_FSDP_EXT_REDUCE_DTYPE=float32: fp32 where a policy's reduce_dtype is "
-                         "unset or 16-bit.")
+            lines.append(f"{fix.name}: in fp32 where a policy's reduce_dtype is unset or 16-bit (the setting).")
         elif "reduce_dtype" in fix.details:
-            lines.append(f"{fix.name}: reduced in each policy's reduce_dtype (unset: this release's rule); "
-                         "TORCH_FSDP_EXT_REDUCE_DTYPE=float32 makes it fp32.")
+            lines.append(f"{fix.name}: in each policy's reduce_dtype; TORCH_FSDP_EXT_REDUCE_DTYPE=float32: fp32.")
         if fix.armed:
             where = ", ".join(dict.fromkeys(".".join(symbol.split(".")[:3]) for symbol in fix.armed))
-            lines.append(f"{fix.name}: armed: wraps {len(fix.armed)} more outside FSDP2 ({where}) from the first "
-                         "fully_shard on.")
+            lines.append(f"{fix.name}: armed: {len(fix.armed)} more outside FSDP2 ({where}) from the first fully_shard.")
         if fix.details.get("not_covered"):
             not_covered = ", ".join(fix.details["not_covered"])
             lines.append(f"{fix.name}: not covered, since they were grouped and sharded before install: {not_covered}.")

@@ -80,10 +80,10 @@ class ReduceFix:
     def needed(self) -> tuple[bool | None, str]:
         answers = [(part, *part.needed()) for part in self.parts]
         # Note: status prints "reduce: needed, because <reason>." and then which parts the plugin fixes;
-        # a needed part is named with its short cause, a part that cannot tell says why in full.
-        needed = [f"{part.name} ({reason})" for part, answer, reason in answers if answer is True]
+        # a needed part gives its upstream change, a part that cannot tell says why in full.
+        needed = [reason for part, answer, reason in answers if answer is True]
         if needed:
-            return True, ", ".join(needed)
+            return True, "this torch lacks " + ", ".join(needed).replace(", pytorch#", ", #")
         unknown = [f"{part.name}: {reason}" for part, answer, reason in answers if answer is None]
         if unknown:
             return None, "; ".join(unknown)

@@ -43,7 +43,7 @@ class Fp32Reduction:
     def needed(self) -> tuple[bool | None, str]:
         if self.reduce_dtype is None:
             return False, "not asked for (TORCH_FSDP_EXT_REDUCE_DTYPE=float32 turns it on)"
-        return True, "TORCH_FSDP_EXT_REDUCE_DTYPE=float32"
+        return True, "the fp32 reduction setting"
 
     def wrapped_symbols(self) -> list[str]:
         return _compat.symbol_names(self.internals, ("FSDPParamGroup.lazy_init",))
