@@ -150,6 +150,7 @@ class DecoratedAsFSDPTest(unittest.TestCase):
             fix = _install._active.get("recompute", (None, None))[0]
             if fix is None:
                 self.skipTest("the recompute fix is not needed on this torch, so FSDP's hooks are not wrapped")
+            _install.install_armed()  # the checkpoint hooks' wrappers, as from the first fully_shard (Note [Armed])
             for name, original in originals.items():
                 decorator = _compat.dynamo_decorator(original)
                 self.assertIsNotNone(decorator, f"FSDPState.{name} is not decorated for dynamo on this torch")
