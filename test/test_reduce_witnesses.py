@@ -9,7 +9,8 @@ releases before it without the plugin.
 - a ``grad_dtype`` set on a bf16 parameter before ``fully_shard`` (pytorch#170648);
 - ``install(reduce_dtype=torch.float32)`` with accelerate's ``(bf16, bf16)`` policy and a ``param_dtype``-only one;
 - a ``fully_shard`` unit that never ran forward, in accumulation without sync (pytorch#194058): trains, with
-  the weights of the same run where the unit runs and its output is scaled by 0.0.
+  the weights of the same run where the unit runs and its output is scaled by 0.0; NeMo Automodel's own guard
+  on top, in either order, changes nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.testing._internal.common_utils import run_tests
 
 import torch_fsdp_ext
 from common import FSDPExtTestCase, MixedPrecisionPolicy, fully_shard, needs_dtype_fix, plugin, plugin_specific
+from torch_fsdp_ext import _compat
 from torch_fsdp_ext._compat import _reduce as _compat_reduce
 
 CONTRIBUTIONS = (1.0, 2.0**-10)
@@ -120,6 +122,15 @@ class TestReduceWitnesses(FSDPExtTestCase):
         self.assertEqual(torch_fsdp_ext.status().fixes["reduce"].details.get("reduce_dtype"), "each policy's own")
 
 
+def nemo_guard():
+    """NeMo Automodel's ``patch_fsdp_accumulated_grad_guard``, or None."""
+    try:
+        from nemo_automodel.components.distributed.fsdp_patches import patch_fsdp_accumulated_grad_guard
+    except Exception:  # noqa: BLE001 - not installed, or it does not import with this torch
+        return None
+    return patch_fsdp_accumulated_grad_guard
+
+
 class Tower(nn.Module):
     """A text path ``a`` and a vision tower ``tower`` (a ``fully_shard`` unit of its own)."""
 
@@ -186,6 +197,31 @@ class TestUnitThatNeverRan(FSDPExtTestCase):
     def test_preserve_group_without_a_reduce_dtype(self):
         self.check_trains_as_scaled_by_zero(MixedPrecisionPolicy(param_dtype=BF16), MixedTower,
                                             dtype_strategy="preserve")
+
+    @unittest.skipIf(nemo_guard() is None, "nemo_automodel does not import here")
+    @unittest.skipUnless(TORCH_FAILS_UNIT_THAT_NEVER_RAN, "no to_accumulated_grad_if_needed for NeMo to guard")
+    @plugin_specific
+    def test_nemo_guard_in_either_order_is_bit_for_bit_with_the_plugin_alone(self):
+        """NeMo Automodel's ``patch_fsdp_accumulated_grad_guard`` (its fix of the same failure, process-global,
+        no undo) applied before or after the plugin's install."""
+        policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+        fsdp_param_cls = _compat.load_internals().FSDPParam
+        torch_method = fsdp_param_cls.__dict__.get("to_accumulated_grad_if_needed")
+        with plugin(True):
+            alone = self.train(None, policy)
+        for when in ("before", "after"):
+            try:
+                with plugin(False):
+                    if when == "before":
+                        nemo_guard()()
+                    with plugin(True):
+                        if when == "after":
+                            nemo_guard()()
+                        params = self.train(None, policy)
+            finally:
+                setattr(fsdp_param_cls, "to_accumulated_grad_if_needed", torch_method)
+            for name, value in params.items():
+                self.assertTrue(torch.equal(value, alone[name]), f"NeMo's guard {when}: {name} differs")
 
     @unittest.skipUnless(TORCH_FAILS_UNIT_THAT_NEVER_RAN, "this torch skips a unit that never ran")
     @plugin_specific
