@@ -314,9 +314,9 @@ class TestReduceFixOnEveryRank(FSDPExtTestCase):
                     model(batch(self.rank, 0))
             finally:
                 torch_fsdp_ext.install(reduce_dtype=None)
-        self.assertTrue(str(caught.exception).startswith(
-            "torch_fsdp_ext: fix 'reduce_dtype=float32' is installed on rank(s) 0 and not on rank(s) 1"
-        ), str(caught.exception))
+        # Where torch needs nothing else of the reduce fix (2.15), the setting alone installs it on rank 0.
+        self.assertRegex(str(caught.exception), r"^torch_fsdp_ext: fix 'reduce(_dtype=float32)?' is installed on "
+                                                r"rank\(s\) 0 and not on rank\(s\) 1")
 
 
 @plugin_specific
