@@ -44,6 +44,17 @@ def unsharded_grad_dtype(fsdp_param: Any) -> torch.dtype | None:
     return fsdp_param.reduce_dtype or fsdp_param.__dict__.get(USER_GRAD_DTYPE_ATTR)
 
 
+def needed_before_197203(unknown: str, fixed: str, cause: str) -> tuple[bool | None, str]:
+    """A part's ``needed()`` for a change that pytorch#197203 made: by the gradient dtype torch gives a new
+    unsharded parameter (``unknown``: what cannot be told; ``fixed``: why not needed; ``cause``: why needed)."""
+    dtype, why = _compat_reduce.probe_unsharded_grad_dtype()
+    if dtype is None:
+        return None, f"cannot tell {unknown} ({why})"
+    if dtype == torch.float32:
+        return False, fixed
+    return True, cause
+
+
 def give_grad_dtype(fsdp_param: Any, unsharded: torch.Tensor) -> None:
     dtype = unsharded_grad_dtype(fsdp_param)
     if dtype is not None and unsharded.grad_dtype != dtype:
@@ -74,12 +85,10 @@ class GradDtypeAtBirth:
         self.active = False
 
     def needed(self) -> tuple[bool | None, str]:
-        dtype, why = _compat_reduce.probe_unsharded_grad_dtype()
-        if dtype is None:
-            return None, f"cannot tell in which dtype this torch makes unsharded gradients ({why})"
-        if dtype == torch.float32:
-            return False, "this torch makes unsharded gradients in reduce_dtype (pytorch#197203)"
-        return True, "pytorch#197203"
+        return needed_before_197203(
+            "in which dtype this torch makes unsharded gradients",
+            "this torch makes unsharded gradients in reduce_dtype (pytorch#197203)", "pytorch#197203",
+        )
 
     def wrapped_symbols(self) -> list[str]:
         names = _compat.symbol_names(self.internals, ("FSDPParamGroup.lazy_init",))

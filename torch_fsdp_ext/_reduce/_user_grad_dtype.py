@@ -6,12 +6,10 @@ import functools
 import inspect
 from typing import Any, Callable
 
-import torch
 
 from .. import _compat
-from .._compat import _reduce as _compat_reduce
 from .._patching import PatchSet, wraps
-from ._grad_dtype import USER_GRAD_DTYPE_ATTR
+from ._grad_dtype import USER_GRAD_DTYPE_ATTR, needed_before_197203
 
 
 class UserGradDtype:
@@ -35,12 +33,10 @@ class UserGradDtype:
         self.active = False
 
     def needed(self) -> tuple[bool | None, str]:
-        dtype, why = _compat_reduce.probe_unsharded_grad_dtype()
-        if dtype is None:
-            return None, f"cannot tell whether fully_shard keeps grad_dtype ({why})"
-        if dtype == torch.float32:
-            return False, "this torch keeps a parameter's grad_dtype through fully_shard (pytorch#197203)"
-        return True, "pytorch#170648"
+        return needed_before_197203(
+            "whether fully_shard keeps grad_dtype",
+            "this torch keeps a parameter's grad_dtype through fully_shard (pytorch#197203)", "pytorch#170648",
+        )
 
     def wrapped_symbols(self) -> list[str]:
         return _compat.symbol_names(self.internals, ("FSDPParam.__init__", "FSDPParamGroup.lazy_init"))
